@@ -1,0 +1,28 @@
+"""Build retainzfs: Cython hot paths (allocator, journal codec) plus console scripts."""
+from setuptools import Extension, find_packages, setup
+from Cython.Build import cythonize
+
+extensions = [
+    Extension("retainzfs._alloc", ["retainzfs/_alloc.pyx"], extra_compile_args=["-O2"]),
+    Extension("retainzfs._journal", ["retainzfs/_journal.pyx"], extra_compile_args=["-O2"]),
+]
+
+setup(
+    name="retainzfs",
+    version="0.1.0",
+    description="FUSE filesystem that packs AI checkpoints into zones by reclaim time",
+    python_requires=">=3.11",
+    packages=find_packages(include=["retainzfs", "retainzfs.*"]),
+    ext_modules=cythonize(extensions, language_level="3",
+                          compiler_directives={"boundscheck": False, "wraparound": False}),
+    install_requires=["pyfuse3>=3.3", "trio>=0.22", "crc32c>=2.3", "rich>=13", "tqdm>=4.60",
+                      "matplotlib>=3.7"],
+    extras_require={"test": ["pytest>=8", "hypothesis>=6"]},
+    entry_points={
+        "console_scripts": [
+            "mkfs.retainzfs=retainzfs.cli.mkfs:main",
+            "mount.retainzfs=retainzfs.cli.mount:main",
+            "retainzfs=retainzfs.cli.main:main",
+        ]
+    },
+)
