@@ -1,0 +1,1046 @@
+"""Zoned devices: the bottom layer of retainzfs.
+
+Two backends behind one ABC:
+
+* ``ImageZonedDevice`` emulates a zoned device on a regular (sparse) file -- the embedded
+  default, and what every test above this layer runs on.
+* ``BlockZonedDevice`` drives a Linux host-managed zoned block device (a ZNS namespace)
+  through the ``linux/blkzoned.h`` ioctls.
+
+Both run the *same* zone state machine and open/active accounting locally (in the ABC), so
+the store sees identical errors on an image and on hardware.  Errors are ``OSError`` with
+the errno Linux uses (EINVAL, ETOOMANYREFS, EOVERFLOW, EIO); problems with the target itself
+(missing, foreign, in use, unsupported) are ``DeviceError`` with a one-line message.
+
+Thread safety: state-changing calls (write, reset, finish, open, close, report) are
+serialised by a per-device lock; ``read`` may run concurrently from any number of threads.
+"""
+from __future__ import annotations
+
+import enum
+import errno
+import fcntl
+import mmap
+import os
+import re
+import stat
+import struct
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import NamedTuple, Union
+
+import crc32c as _crc32c
+
+__all__ = [
+    "DeviceError", "ZoneCond", "Zone", "ZonedDevice", "ImageZonedDevice", "BlockZonedDevice",
+    "open_device", "create_image",
+]
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+MiB = 1 << 20
+
+
+class DeviceError(Exception):
+    """One-line, user-facing problem with the target (missing, foreign, in use, unsupported).
+
+    Distinct from OSError so the CLI can print it verbatim instead of a traceback, while
+    zone-rule violations keep their errno for the store.
+    """
+
+
+class ZoneCond(enum.IntEnum):
+    """Zone condition; values are those of ``enum blk_zone_cond`` (and NVMe ZNS states)."""
+
+    NOT_WP = 0x0
+    EMPTY = 0x1
+    IMP_OPEN = 0x2
+    EXP_OPEN = 0x3
+    CLOSED = 0x4
+    READONLY = 0xD
+    FULL = 0xE
+    OFFLINE = 0xF
+
+
+# Plain ints on the hot path: IntEnum attribute lookups and comparisons are slower.
+_NOT_WP, _EMPTY, _IMP_OPEN, _EXP_OPEN, _CLOSED = 0x0, 0x1, 0x2, 0x3, 0x4
+_READONLY, _FULL, _OFFLINE = 0xD, 0xE, 0xF
+_OPEN = frozenset((_IMP_OPEN, _EXP_OPEN))
+_ACTIVE = frozenset((_IMP_OPEN, _EXP_OPEN, _CLOSED))
+_VALID_COND = frozenset(int(c) for c in ZoneCond)
+_COND_OF = {int(c): c for c in ZoneCond}     # faster than ZoneCond(x) in zone()
+
+
+@dataclass(slots=True)
+class Zone:
+    """A snapshot of one zone.  ``start`` is the device byte address; ``wp`` is relative."""
+
+    index: int
+    start: int
+    size: int
+    capacity: int
+    wp: int
+    cond: ZoneCond
+
+    @property
+    def is_open(self) -> bool:
+        """Holds an open resource (implicitly or explicitly opened)."""
+        return self.cond in _OPEN
+
+    @property
+    def is_active(self) -> bool:
+        """Holds an active resource (open or closed-but-partially-written)."""
+        return self.cond in _ACTIVE
+
+    @property
+    def free(self) -> int:
+        """Bytes still writable before the zone becomes FULL."""
+        return self.capacity - self.wp
+
+
+def _err(code: int, msg: str) -> OSError:
+    return OSError(code, msg)
+
+
+_OP_RESET, _OP_FINISH, _OP_OPEN, _OP_CLOSE = "reset", "finish", "open", "close"
+
+
+class ZonedDevice(ABC):
+    """A zoned device: equal power-of-two zones, sequential writes at each zone's wp.
+
+    The zone state machine and the open/active limits (0 = unlimited) are enforced here, in
+    one place, so both backends fail identically.  Limits are strict like QEMU's ZNS model
+    with auto-transition off: no implicit auto-close; the caller closes zones itself.
+    Backends supply the medium I/O through the ``_io_*`` / ``_persist`` hooks.
+    """
+
+    path: str
+    block_size: int
+    zone_size: int
+    zone_capacity: int
+    nr_zones: int
+    max_open: int
+    max_active: int
+    bytes_written: int
+    resets: int
+
+    # -- setup -------------------------------------------------------------------------
+
+    def _init_state(self, path: str, block_size: int, zone_size: int, zone_capacity: int,
+                    nr_zones: int, max_open: int, max_active: int, wps: list[int],
+                    conds: list[int], caps: list[int], sizes: list[int]) -> None:
+        self.path = path
+        self.block_size = block_size
+        self.zone_size = zone_size
+        self.zone_capacity = zone_capacity
+        self.nr_zones = nr_zones
+        self.max_open = max_open
+        self.max_active = max_active
+        self.bytes_written = 0
+        self.resets = 0
+        self._zshift = zone_size.bit_length() - 1
+        self._lock = threading.Lock()
+        self._set_table(wps, conds, caps, sizes)
+
+    def _set_table(self, wps: list[int], conds: list[int], caps: list[int],
+                   sizes: list[int]) -> None:
+        self._wp = wps
+        self._cond = conds
+        self._cap = caps
+        self._size = sizes
+        self._nopen = sum(1 for c in conds if c in _OPEN)
+        self._nactive = sum(1 for c in conds if c in _ACTIVE)
+
+    # -- backend hooks ---------------------------------------------------------------------
+
+    @abstractmethod
+    def _io_write(self, zone: int, wp: int, data: Buffer, n: int) -> None:
+        """Write all ``n`` bytes of ``data`` at ``wp`` of ``zone`` (rules already checked)."""
+
+    @abstractmethod
+    def _io_read(self, zone: int, offset: int, length: int) -> bytes:
+        """Read ``length`` bytes at ``offset`` of ``zone`` (bounds already checked)."""
+
+    @abstractmethod
+    def _io_mgmt(self, op: str, zone: int) -> None:
+        """Issue a zone-management command on the medium before the cached state changes."""
+
+    @abstractmethod
+    def _persist(self, zone: int) -> None:
+        """Record the cached wp/cond of ``zone`` on the medium (no-op for real devices)."""
+
+    @abstractmethod
+    def _reload(self) -> None:
+        """Re-read the whole zone table from the medium into the cache."""
+
+    def _after_mgmt(self, op: str, zone: int, old_wp: int) -> None:
+        """Hook after a management command updated the cache (images: discard data)."""
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Make written data and the zone table durable (survives power loss)."""
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Close the medium and drop the exclusive lock; idempotent."""
+
+    # -- queries -----------------------------------------------------------------------
+
+    def zone(self, i: int) -> Zone:
+        """A copy of the cached state of zone ``i`` (cheap; no I/O)."""
+        if not 0 <= i < self.nr_zones:
+            raise IndexError(f"zone {i} out of range (0..{self.nr_zones - 1})")
+        return Zone(i, i << self._zshift, self._size[i], self._cap[i], self._wp[i],
+                    _COND_OF[self._cond[i]])
+
+    def zones(self) -> list[Zone]:
+        """Copies of all cached zones."""
+        return [self.zone(i) for i in range(self.nr_zones)]
+
+    def report(self) -> list[Zone]:
+        """Re-read zone states from the medium (the truth after an error), then ``zones()``."""
+        with self._lock:
+            self._reload()
+        return self.zones()
+
+    def open_count(self) -> int:
+        """Zones holding an open resource (IMP_OPEN + EXP_OPEN)."""
+        return self._nopen
+
+    def active_count(self) -> int:
+        """Zones holding an active resource (open + CLOSED)."""
+        return self._nactive
+
+    # -- state machine -----------------------------------------------------------------
+
+    def _check_zone(self, zone: int) -> None:
+        if not 0 <= zone < self.nr_zones:
+            raise _err(errno.EINVAL, f"zone {zone} out of range (0..{self.nr_zones - 1})")
+
+    def _state_error(self, zone: int, cond: int, op: str) -> OSError:
+        if cond == _READONLY or cond == _OFFLINE:
+            return _err(errno.EIO, f"zone {zone} is {ZoneCond(cond).name}: cannot {op}")
+        if cond == _FULL:
+            return _err(errno.EINVAL, f"zone {zone} is FULL: cannot {op}")
+        return _err(errno.EINVAL, f"zone {zone} is conventional (NOT_WP): cannot {op}")
+
+    def _check_resources(self, zone: int, act: int, opn: int) -> None:
+        # Same order as QEMU (nvme_zns_check_resources): active first, then open.
+        if act and self.max_active and self._nactive + act > self.max_active:
+            raise _err(errno.EOVERFLOW,
+                       f"zone {zone}: too many active zones (max_active={self.max_active})")
+        if opn and self.max_open and self._nopen + opn > self.max_open:
+            raise _err(errno.ETOOMANYREFS,
+                       f"zone {zone}: too many open zones (max_open={self.max_open})")
+
+    def _set_cond(self, zone: int, new: int) -> None:
+        old = self._cond[zone]
+        if old != new:
+            self._nopen += (new in _OPEN) - (old in _OPEN)
+            self._nactive += (new in _ACTIVE) - (old in _ACTIVE)
+            self._cond[zone] = new
+
+    def write(self, zone: int, offset: int, data: Buffer) -> int:
+        """Append ``data`` at the zone's write pointer; returns the byte count.
+
+        ``offset`` must equal wp (no zone append); implicitly opens an EMPTY/CLOSED zone and
+        turns it FULL when wp reaches capacity.  The data is not copied here.
+        """
+        t = type(data)
+        if t is bytes or t is bytearray:
+            n = len(data)
+        else:                               # memoryview, array, numpy ...: count bytes
+            n = data.nbytes if t is memoryview else memoryview(data).nbytes
+        with self._lock:
+            if not 0 <= zone < self.nr_zones:
+                raise _err(errno.EINVAL, f"zone {zone} out of range (0..{self.nr_zones - 1})")
+            cond = self._cond[zone]
+            if cond == _NOT_WP or cond > _CLOSED:
+                raise self._state_error(zone, cond, "write")
+            wp = self._wp[zone]
+            if offset != wp:
+                raise _err(errno.EINVAL,
+                           f"zone {zone}: write at offset {offset} is not at the write pointer {wp}")
+            if n % self.block_size:
+                raise _err(errno.EINVAL, f"zone {zone}: write length {n} is not a multiple "
+                                         f"of the block size {self.block_size}")
+            cap = self._cap[zone]
+            end = wp + n
+            if end > cap:
+                raise _err(errno.EINVAL, f"zone {zone}: write of {n} bytes at {wp} passes "
+                                         f"the zone capacity {cap}")
+            if not n:
+                return 0
+            if cond == _EMPTY:
+                self._check_resources(zone, 1, 1)
+            elif cond == _CLOSED:
+                self._check_resources(zone, 0, 1)
+            self._io_write(zone, wp, data, n)
+            self._wp[zone] = end
+            self.bytes_written += n
+            if end == cap:
+                self._set_cond(zone, _FULL)
+            elif cond == _EMPTY or cond == _CLOSED:
+                self._set_cond(zone, _IMP_OPEN)
+            self._persist(zone)
+            return n
+
+    def read(self, zone: int, offset: int, length: int) -> bytes:
+        """Read ``length`` bytes at ``offset`` within the zone; any range inside capacity.
+
+        Bytes past the write pointer read as zeros on an image (a real device may differ).
+        """
+        if not 0 <= zone < self.nr_zones:
+            raise _err(errno.EINVAL, f"zone {zone} out of range (0..{self.nr_zones - 1})")
+        if self._cond[zone] == _OFFLINE:
+            raise _err(errno.EIO, f"zone {zone} is OFFLINE: cannot read")
+        if offset < 0 or length < 0 or offset + length > self._cap[zone]:
+            raise _err(errno.EINVAL, f"zone {zone}: read of {length} bytes at {offset} is "
+                                     f"outside the zone capacity {self._cap[zone]}")
+        if not length:
+            return b""
+        return self._io_read(zone, offset, length)
+
+    def reset(self, zone: int) -> None:
+        """Rewind the zone: wp = 0, EMPTY, resources released.  Resetting EMPTY is a no-op."""
+        with self._lock:
+            self._check_zone(zone)
+            cond = self._cond[zone]
+            if cond == _NOT_WP or cond == _READONLY or cond == _OFFLINE:
+                raise self._state_error(zone, cond, "reset")
+            if cond == _EMPTY:
+                return
+            self._io_mgmt(_OP_RESET, zone)
+            old_wp = self._wp[zone]
+            self._wp[zone] = 0
+            self._set_cond(zone, _EMPTY)
+            self.resets += 1
+            self._persist(zone)
+            self._after_mgmt(_OP_RESET, zone, old_wp)
+
+    def finish(self, zone: int) -> None:
+        """Make the zone FULL (wp = capacity), releasing its resources.
+
+        Like NVMe and QEMU, an EMPTY zone may be finished and needs no free resource.
+        """
+        with self._lock:
+            self._check_zone(zone)
+            cond = self._cond[zone]
+            if cond == _FULL:
+                return
+            if cond == _NOT_WP or cond == _READONLY or cond == _OFFLINE:
+                raise self._state_error(zone, cond, "finish")
+            self._io_mgmt(_OP_FINISH, zone)
+            old_wp = self._wp[zone]
+            self._wp[zone] = self._cap[zone]
+            self._set_cond(zone, _FULL)
+            self._persist(zone)
+            self._after_mgmt(_OP_FINISH, zone, old_wp)
+
+    def open(self, zone: int) -> None:
+        """Explicitly open the zone (EXP_OPEN); same limit errors as an implicit open."""
+        with self._lock:
+            self._check_zone(zone)
+            cond = self._cond[zone]
+            if cond == _EXP_OPEN:
+                return
+            if cond == _EMPTY:
+                self._check_resources(zone, 1, 1)
+            elif cond == _CLOSED:
+                self._check_resources(zone, 0, 1)
+            elif cond != _IMP_OPEN:
+                raise self._state_error(zone, cond, "open")
+            self._io_mgmt(_OP_OPEN, zone)
+            self._set_cond(zone, _EXP_OPEN)
+            self._persist(zone)
+            self._after_mgmt(_OP_OPEN, zone, self._wp[zone])
+
+    def close(self, zone: int | None = None) -> None:
+        """``close(zone)``: release the zone's open resource (CLOSED, or EMPTY if wp == 0).
+        ``close()``: release the device itself and its exclusive lock.
+
+        Closing a zone that is not open (EMPTY/CLOSED/FULL) is a no-op, so callers can close
+        defensively without tracking auto-FULL transitions.
+        """
+        if zone is None:
+            self._release()
+            return
+        with self._lock:
+            self._check_zone(zone)
+            cond = self._cond[zone]
+            if cond == _IMP_OPEN or cond == _EXP_OPEN:
+                self._io_mgmt(_OP_CLOSE, zone)
+                self._set_cond(zone, _CLOSED if self._wp[zone] else _EMPTY)
+                self._persist(zone)
+                self._after_mgmt(_OP_CLOSE, zone, self._wp[zone])
+            elif cond == _NOT_WP or cond == _READONLY or cond == _OFFLINE:
+                raise self._state_error(zone, cond, "close")
+
+    # -- misc ------------------------------------------------------------------------------
+
+    def __enter__(self) -> "ZonedDevice":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._release()
+
+    def __del__(self) -> None:
+        try:
+            self._release()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} {getattr(self, 'path', '?')!r} "
+                f"zones={getattr(self, 'nr_zones', '?')} zone_size={getattr(self, 'zone_size', '?')}>")
+
+
+# ======================================================================================
+# Emulated zoned device on a regular file
+# ======================================================================================
+
+IMAGE_MAGIC = b"RZIMG001"
+IMAGE_VERSION = 1
+_HDR = struct.Struct("<8sIIQQIIIQ")      # magic ver bs zsize zcap nr max_open max_active data_off
+_CRC = struct.Struct("<I")
+_HEADER_BLOCK = 4096                     # header block; the zone table starts right after it
+_ENTRY = struct.Struct("<QB7x")          # per-zone: wp (bytes, relative), cond; 16 bytes
+_MIN_DATA_ALIGN = 1 * MiB
+_MIN_ZONES = 4
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _align_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def _image_layout(nr_zones: int, zone_size: int) -> tuple[int, int]:
+    """(table_offset, data_offset): data aligned to max(zone_size, 1 MiB)."""
+    table_end = _HEADER_BLOCK + _align_up(nr_zones * _ENTRY.size, _HEADER_BLOCK)
+    return _HEADER_BLOCK, _align_up(table_end, max(zone_size, _MIN_DATA_ALIGN))
+
+
+def _open_locked(path: str, flags: int, what: str = "zoned image") -> int:
+    """Open ``path`` and take an exclusive flock, mapping failures to DeviceError."""
+    try:
+        fd = os.open(path, flags | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise DeviceError(f"{path}: no such file or device") from None
+    except IsADirectoryError:
+        raise DeviceError(f"{path} is a directory, not a {what}") from None
+    except PermissionError:
+        raise DeviceError(f"{path}: permission denied") from None
+    except OSError as e:
+        raise DeviceError(f"{path}: cannot open: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DeviceError(f"{path} is in use by another process") from None
+    except OSError as e:
+        os.close(fd)
+        raise DeviceError(f"{path}: cannot lock: {e.strerror}") from None
+    return fd
+
+
+_libc_fallocate = None
+
+
+def _punch_hole(fd: int, off: int, length: int) -> bool:
+    """Deallocate a file range (FALLOC_FL_PUNCH_HOLE|KEEP_SIZE); False when unsupported."""
+    global _libc_fallocate
+    if _libc_fallocate is None:
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            f = libc.fallocate
+            f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            f.restype = ctypes.c_int
+            _libc_fallocate = f
+        except (OSError, AttributeError):
+            _libc_fallocate = False
+    if not _libc_fallocate:
+        return False
+    return _libc_fallocate(fd, 0x01 | 0x02, off, length) == 0
+
+
+class ImageZonedDevice(ZonedDevice):
+    """A zoned device emulated on a regular file (sparse; may exceed 4 GiB).
+
+    Layout: a 4 KiB header block (magic RZIMG001, geometry, limits, crc32c), the zone table
+    (16 bytes per zone: wp u64, cond u8), then the data area aligned to max(zone_size,
+    1 MiB): zone i's data is at data_off + i*zone_size.
+
+    Every wp/cond change is written to the table with pwrite (no fsync), so a killed process
+    -- whose page cache survives -- reopens with the exact write pointers; ``flush()`` adds
+    the fsync needed for power loss.  Zone conditions persist across reopen exactly as on a
+    real device (reopening does not close open zones).  An exclusive flock marks the image in
+    use.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._fd = -1
+        path = os.fspath(path)
+        fd = _open_locked(path, os.O_RDWR)
+        try:
+            self._attach(path, fd)
+        except BaseException:
+            self._fd = -1                   # so __del__ never closes a reused fd number
+            os.close(fd)
+            raise
+
+    def _attach(self, path: str, fd: int) -> None:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DeviceError(f"{path} is not a regular file")
+        raw = os.pread(fd, _HDR.size + _CRC.size, 0)
+        if len(raw) < _HDR.size + _CRC.size or raw[:8] != IMAGE_MAGIC:
+            raise DeviceError(f"{path} is not a retainzfs zoned image (no {IMAGE_MAGIC.decode()} header)")
+        body = raw[:_HDR.size]
+        (crc,) = _CRC.unpack_from(raw, _HDR.size)
+        if _crc32c.crc32c(body) != crc:
+            raise DeviceError(f"{path}: zoned image header is corrupt (checksum mismatch)")
+        (_, ver, bs, zsize, zcap, nr, max_open, max_active, data_off) = _HDR.unpack(body)
+        if ver != IMAGE_VERSION:
+            raise DeviceError(f"{path}: unsupported zoned image version {ver} (expected {IMAGE_VERSION})")
+        table_off, min_data_off = _image_layout(nr, zsize)
+        if (not _is_pow2(bs) or bs < 512 or not _is_pow2(zsize) or zsize % bs
+                or not 0 < zcap <= zsize or zcap % bs or nr < 1
+                or data_off < min_data_off or data_off % bs):
+            raise DeviceError(f"{path}: zoned image header has an invalid geometry")
+        if st.st_size < data_off + nr * zsize:
+            raise DeviceError(f"{path}: zoned image is truncated ({st.st_size} bytes, "
+                              f"expected {data_off + nr * zsize})")
+        self._fd = fd
+        self._table_off = table_off
+        self._data_off = data_off
+        self._init_state(path, bs, zsize, zcap, nr, max_open, max_active,
+                         *self._read_table(path, fd, table_off, nr, zcap), [zcap] * nr, [zsize] * nr)
+
+    @staticmethod
+    def _read_table(path: str, fd: int, table_off: int, nr: int,
+                    zcap: int) -> tuple[list[int], list[int]]:
+        raw = os.pread(fd, nr * _ENTRY.size, table_off)
+        if len(raw) != nr * _ENTRY.size:
+            raise DeviceError(f"{path}: zoned image is truncated (zone table)")
+        wps: list[int] = []
+        conds: list[int] = []
+        for i, (wp, cond) in enumerate(_ENTRY.iter_unpack(raw)):
+            if (cond not in _VALID_COND or cond == _NOT_WP or wp > zcap
+                    or (cond == _EMPTY and wp) or (cond == _FULL and wp != zcap)):
+                raise DeviceError(f"{path}: zone table entry {i} is corrupt "
+                                  f"(wp={wp}, cond={cond:#x})")
+            wps.append(wp)
+            conds.append(cond)
+        return wps, conds
+
+    # -- hooks -------------------------------------------------------------------------
+
+    def _io_write(self, zone: int, wp: int, data: Buffer, n: int) -> None:
+        off = self._data_off + (zone << self._zshift) + wp
+        done = os.pwrite(self._fd, data, off)
+        if done != n:                       # short write (rare): finish it, or raise
+            mv = memoryview(data).cast("B")
+            while done < n:
+                w = os.pwrite(self._fd, mv[done:], off + done)
+                if w <= 0:
+                    raise _err(errno.EIO, f"{self.path}: short write")
+                done += w
+
+    def _io_read(self, zone: int, offset: int, length: int) -> bytes:
+        off = self._data_off + (zone << self._zshift) + offset
+        data = os.pread(self._fd, length, off)
+        if len(data) == length:
+            return data
+        parts = [data]
+        got = len(data)
+        while got < length:
+            more = os.pread(self._fd, length - got, off + got)
+            if not more:
+                raise _err(errno.EIO, f"{self.path}: short read (image truncated?)")
+            parts.append(more)
+            got += len(more)
+        return b"".join(parts)
+
+    def _io_mgmt(self, op: str, zone: int) -> None:
+        pass                                # the table entry written by _persist is the command
+
+    def _persist(self, zone: int) -> None:
+        os.pwrite(self._fd, _ENTRY.pack(self._wp[zone], self._cond[zone]),
+                  self._table_off + zone * _ENTRY.size)
+
+    def _after_mgmt(self, op: str, zone: int, old_wp: int) -> None:
+        # A reset zone reads back as zeros and gives its space back to the host filesystem.
+        # Done after the table entry so a crash in between leaves stale bytes past wp = 0,
+        # never a zone whose committed data vanished.
+        if op == _OP_RESET:
+            off = self._data_off + (zone << self._zshift)
+            if not _punch_hole(self._fd, off, self.zone_size):
+                zeros = bytes(min(old_wp, 4 * MiB))
+                for pos in range(0, old_wp, len(zeros)):
+                    os.pwrite(self._fd, zeros[:old_wp - pos], off + pos)
+
+    def _reload(self) -> None:
+        wps, conds = self._read_table(self.path, self._fd, self._table_off, self.nr_zones,
+                                      self.zone_capacity)
+        self._set_table(wps, conds, self._cap, self._size)
+
+    def flush(self) -> None:
+        os.fsync(self._fd)
+
+    def _release(self) -> None:
+        fd = getattr(self, "_fd", -1)
+        if fd >= 0:
+            self._fd = -1
+            os.close(fd)                    # drops the flock
+
+    # -- emulator-only -------------------------------------------------------------------
+
+    def inject_fault(self, zone: int, cond: ZoneCond = ZoneCond.OFFLINE) -> None:
+        """Put a zone READONLY or OFFLINE, as a failing device would (for fault tests)."""
+        if cond not in (ZoneCond.READONLY, ZoneCond.OFFLINE):
+            raise ValueError("inject_fault: cond must be READONLY or OFFLINE")
+        with self._lock:
+            self._check_zone(zone)
+            self._set_cond(zone, int(cond))
+            self._persist(zone)
+
+
+def create_image(path: str | os.PathLike[str], size: int, zone_size: int,
+                 zone_capacity: int | None = None, max_open: int = 0, max_active: int = 0,
+                 block_size: int = 4096, force: bool = False) -> ImageZonedDevice:
+    """Create a zoned image of ``size`` bytes (rounded down to whole zones) and open it.
+
+    Refuses to replace an existing file unless ``force``; never replaces one that is in use.
+    """
+    path = os.fspath(path)
+    if not _is_pow2(block_size) or block_size < 512:
+        raise DeviceError(f"block size {block_size} must be a power of two >= 512")
+    if not _is_pow2(zone_size) or zone_size < block_size:
+        raise DeviceError(f"zone size {zone_size} must be a power of two and a multiple of "
+                          f"the block size {block_size}")
+    cap = zone_size if zone_capacity is None else zone_capacity
+    if not 0 < cap <= zone_size or cap % block_size:
+        raise DeviceError(f"zone capacity {cap} must be a positive multiple of the block "
+                          f"size {block_size} and at most the zone size {zone_size}")
+    if max_open < 0 or max_active < 0:
+        raise DeviceError("max_open and max_active must be >= 0 (0 = unlimited)")
+    if max_open and max_active and max_open > max_active:
+        raise DeviceError(f"max_open ({max_open}) cannot exceed max_active ({max_active})")
+    nr = size // zone_size
+    if nr < _MIN_ZONES:
+        raise DeviceError(f"size {size} holds {nr} zone(s) of {zone_size} bytes; "
+                          f"at least {_MIN_ZONES} are needed")
+    if nr >= 1 << 32:
+        raise DeviceError(f"too many zones ({nr})")
+
+    if force:
+        fd = _open_locked(path, os.O_RDWR | os.O_CREAT)
+        created = False
+    else:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            raise DeviceError(f"{path} already exists; refusing to overwrite it without force") from None
+        except OSError as e:
+            raise DeviceError(f"{path}: cannot create: {e.strerror}") from None
+        created = True
+    dev = None
+    try:
+        if created:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DeviceError(f"{path} is not a regular file; refusing to overwrite it")
+        table_off, data_off = _image_layout(nr, zone_size)
+        hdr = _HDR.pack(IMAGE_MAGIC, IMAGE_VERSION, block_size, zone_size, cap, nr,
+                        max_open, max_active, data_off)
+        hdr += _CRC.pack(_crc32c.crc32c(hdr))
+        try:
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, data_off + nr * zone_size)      # sparse
+            os.pwrite(fd, hdr.ljust(_HEADER_BLOCK, b"\0"), 0)
+            os.pwrite(fd, _ENTRY.pack(0, _EMPTY) * nr, table_off)
+            os.fsync(fd)
+        except OSError as e:
+            raise DeviceError(f"{path}: cannot create image: {e.strerror}") from None
+        if created:
+            try:
+                dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+            except OSError:
+                pass
+        dev = ImageZonedDevice.__new__(ImageZonedDevice)
+        dev._fd = -1
+        dev._attach(path, fd)
+        return dev
+    except BaseException:
+        if dev is not None:
+            dev._fd = -1
+        os.close(fd)
+        if created:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        raise
+
+
+# ======================================================================================
+# Linux host-managed zoned block device
+# ======================================================================================
+
+# linux/blkzoned.h, x86-64 encodings (_IOWR/_IOW/_IOR on type 0x12).
+BLKREPORTZONE = 0xC0101282
+BLKRESETZONE = 0x40101283
+BLKGETZONESZ = 0x80041284
+BLKGETNRZONES = 0x80041285
+BLKOPENZONE = 0x40101286
+BLKCLOSEZONE = 0x40101287
+BLKFINISHZONE = 0x40101288
+BLK_ZONE_REP_CAPACITY = 1 << 0
+BLK_ZONE_TYPE_CONVENTIONAL = 0x1
+
+_REPORT_HDR = struct.Struct("<QII")              # sector, nr_zones, flags
+_BLK_ZONE = struct.Struct("<QQQBBBB4xQ24x")      # start len wp type cond non_seq reset cap
+_ZONE_RANGE = struct.Struct("<QQ")               # sector, nr_sectors
+_SECTOR = 512
+_REPORT_BATCH = 256
+_DIO_CHUNK = 8 * MiB
+_SYSFS = "/sys"                                  # tests point this at a fake tree
+
+_MGMT_IOCTL = {_OP_RESET: BLKRESETZONE, _OP_FINISH: BLKFINISHZONE,
+               _OP_OPEN: BLKOPENZONE, _OP_CLOSE: BLKCLOSEZONE}
+
+assert _REPORT_HDR.size == 16 and _BLK_ZONE.size == 64
+
+
+class BlkZone(NamedTuple):
+    """One ``struct blk_zone`` in 512-byte sectors; ``capacity`` already defaulted to len."""
+
+    start: int
+    len: int
+    wp: int
+    type: int
+    cond: int
+    capacity: int
+
+
+def pack_report_header(sector: int, nr_zones: int) -> bytearray:
+    """A BLKREPORTZONE argument buffer asking for ``nr_zones`` zones from ``sector``."""
+    buf = bytearray(_REPORT_HDR.size + nr_zones * _BLK_ZONE.size)
+    _REPORT_HDR.pack_into(buf, 0, sector, nr_zones, 0)
+    return buf
+
+
+def parse_report(buf: Buffer) -> tuple[int, list[BlkZone]]:
+    """Parse a filled ``struct blk_zone_report``: (flags, zones)."""
+    _, n, flags = _REPORT_HDR.unpack_from(buf, 0)
+    n = min(n, (len(buf) - _REPORT_HDR.size) // _BLK_ZONE.size)
+    has_cap = flags & BLK_ZONE_REP_CAPACITY
+    out = []
+    for i in range(n):
+        start, ln, wp, ztype, cond, _ns, _rs, cap = _BLK_ZONE.unpack_from(
+            buf, _REPORT_HDR.size + i * _BLK_ZONE.size)
+        out.append(BlkZone(start, ln, wp, ztype, cond, cap if has_cap else ln))
+    return flags, out
+
+
+def blk_zone_state(z: BlkZone) -> tuple[int, int, int, int]:
+    """(size, capacity, wp, cond) in bytes / wp relative to the zone, from a blk_zone.
+
+    The kernel's wp is meaningless for FULL/EMPTY/OFFLINE/conventional zones; normalise it.
+    """
+    size = z.len * _SECTOR
+    cap = z.capacity * _SECTOR
+    cond = z.cond if z.cond in _VALID_COND else _OFFLINE
+    if z.type == BLK_ZONE_TYPE_CONVENTIONAL or cond == _NOT_WP:
+        return size, size, 0, _NOT_WP
+    if cond == _FULL:
+        wp = cap
+    elif cond == _EMPTY or cond == _OFFLINE:
+        wp = 0
+    else:
+        wp = min(max((z.wp - z.start) * _SECTOR, 0), cap)
+    return size, cap, wp, cond
+
+
+def _kernel_version(release: str) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", release)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def needs_mq_deadline(release: str, scheduler: str) -> bool:
+    """True when zoned writes on this kernel need mq-deadline and it is not selected.
+
+    Before 6.10 only mq-deadline serialised writes per zone; 6.10+ plugs zone writes itself.
+    """
+    return _kernel_version(release) < (6, 10) and "[mq-deadline]" not in scheduler
+
+
+def _read_sysfs(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+class BlockZonedDevice(ZonedDevice):
+    """A Linux host-managed zoned block device (e.g. a ZNS namespace ``/dev/nvme0n1``).
+
+    Opened O_EXCL (a mounted or otherwise claimed device is refused) and O_DIRECT: data is
+    copied into a page-aligned bounce buffer and written exactly at the cached write pointer.
+    The zone table is read with BLKREPORTZONE once and then kept up to date by our own
+    operations; limits are checked locally first so errors match the image backend, and any
+    error from the device itself propagates as OSError after resyncing that zone.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._fd = -1
+        path = os.fspath(path)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise DeviceError(f"{path}: no such file or device") from None
+        except OSError as e:
+            raise DeviceError(f"{path}: {e.strerror}") from None
+        if not stat.S_ISBLK(st.st_mode):
+            raise DeviceError(f"{path} is not a block device")
+        sysdir = os.path.join(_SYSFS, "dev", "block",
+                              f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}")
+        zoned = _read_sysfs(os.path.join(sysdir, "queue", "zoned"))
+        if zoned is None:
+            raise DeviceError(f"{path}: no zoned queue attributes in sysfs "
+                              f"(a partition? use the whole zoned device)")
+        if zoned != "host-managed":
+            raise DeviceError(f"{path} is not a host-managed zoned device "
+                              f"(queue/zoned is {zoned!r}; host-aware and regular disks are not supported)")
+
+        def num(name: str, default: int | None = None) -> int:
+            v = _read_sysfs(os.path.join(sysdir, "queue", name))
+            try:
+                return int(v) if v is not None else int(default)  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                raise DeviceError(f"{path}: cannot read queue/{name} from sysfs") from None
+
+        zone_size = num("chunk_sectors") * _SECTOR
+        nr_zones = num("nr_zones")
+        max_open = num("max_open_zones", 0)
+        max_active = num("max_active_zones", 0)
+        lbs = num("logical_block_size")
+        self._ensure_scheduler(path, os.path.join(sysdir, "queue", "scheduler"))
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_EXCL | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno == errno.EBUSY:
+                raise DeviceError(f"{path} is in use (mounted or opened by another process)") from None
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise DeviceError(f"{path}: permission denied") from None
+            raise DeviceError(f"{path}: cannot open: {e.strerror}") from None
+        try:
+            self._setup(path, fd, lbs, zone_size, nr_zones, max_open, max_active)
+        except BaseException:
+            os.close(fd)
+            self._fd = -1
+            raise
+
+    @staticmethod
+    def _ensure_scheduler(path: str, sched_path: str) -> None:
+        release = os.uname().release
+        text = _read_sysfs(sched_path)
+        if text is None or not needs_mq_deadline(release, text):
+            return
+        try:
+            with open(sched_path, "w") as f:
+                f.write("mq-deadline")
+        except OSError:
+            pass
+        if needs_mq_deadline(release, _read_sysfs(sched_path) or ""):
+            raise DeviceError(f"{path}: kernel {release} needs the mq-deadline I/O scheduler "
+                              f"for zoned writes (echo mq-deadline > {sched_path})")
+
+    def _setup(self, path: str, fd: int, block_size: int, zone_size: int, nr_zones: int,
+               max_open: int, max_active: int) -> None:
+        """Finish opening from an fd and geometry (split from __init__ so tests can fake it)."""
+        if not _is_pow2(block_size) or not _is_pow2(zone_size) or zone_size % block_size:
+            raise DeviceError(f"{path}: unsupported zone geometry (zone size {zone_size}, "
+                              f"block size {block_size})")
+        if nr_zones < 1:
+            raise DeviceError(f"{path}: device reports no zones")
+        self._fd = fd
+        self._sectors_per_zone = zone_size // _SECTOR
+        self._wbuf = mmap.mmap(-1, _DIO_CHUNK)   # page-aligned bounce buffer for O_DIRECT
+        self._wbufmv = memoryview(self._wbuf)
+        self._tls = threading.local()            # per-thread read bounce buffers
+        self.path = path
+        self.nr_zones = nr_zones
+        sizes, caps, wps, conds = self._report_all(nr_zones)
+        seq = [c for c, s, cd in zip(caps, sizes, conds) if s == zone_size and cd != _NOT_WP]
+        zcap = min(seq) if seq else zone_size
+        self._init_state(path, block_size, zone_size, zcap, nr_zones, max_open, max_active,
+                         wps, conds, caps, sizes)
+
+    # -- ioctls --------------------------------------------------------------------------
+
+    def _ioctl(self, request: int, arg: bytes | bytearray) -> None:
+        """The single ioctl seam (overridden by tests to emulate a device)."""
+        if isinstance(arg, bytearray):
+            fcntl.ioctl(self._fd, request, arg, True)
+        else:
+            fcntl.ioctl(self._fd, request, arg)
+
+    def _report(self, sector: int, count: int) -> list[BlkZone]:
+        out: list[BlkZone] = []
+        while len(out) < count:
+            buf = pack_report_header(sector, min(count - len(out), _REPORT_BATCH))
+            self._ioctl(BLKREPORTZONE, buf)
+            _, zones = parse_report(buf)
+            if not zones:
+                break
+            out.extend(zones)
+            sector = zones[-1].start + zones[-1].len
+        return out[:count]
+
+    def _report_all(self, nr_zones: int) -> tuple[list[int], list[int], list[int], list[int]]:
+        zones = self._report(0, nr_zones)
+        if len(zones) != nr_zones:
+            raise DeviceError(f"{self.path}: zone report returned {len(zones)} zones, "
+                              f"sysfs says {nr_zones}")
+        sizes, caps, wps, conds = [], [], [], []
+        for z in zones:
+            s, c, w, cd = blk_zone_state(z)
+            sizes.append(s)
+            caps.append(c)
+            wps.append(w)
+            conds.append(cd)
+        return sizes, caps, wps, conds
+
+    def _resync(self, zone: int) -> None:
+        """Refresh one zone from the device (after an error, or to adopt its transitions)."""
+        try:
+            zs = self._report(zone * self._sectors_per_zone, 1)
+        except OSError:
+            return
+        if zs:
+            size, cap, wp, cond = blk_zone_state(zs[0])
+            self._size[zone] = size
+            self._cap[zone] = cap
+            self._wp[zone] = wp
+            self._set_cond(zone, cond)
+
+    # -- hooks -------------------------------------------------------------------------
+
+    def _io_write(self, zone: int, wp: int, data: Buffer, n: int) -> None:
+        src = data if type(data) is memoryview and data.format == "B" else memoryview(data).cast("B")
+        buf = self._wbufmv
+        off = (zone << self._zshift) + wp
+        done = 0
+        try:
+            while done < n:
+                k = min(n - done, len(buf))
+                buf[:k] = src[done:done + k]
+                w = os.pwrite(self._fd, buf[:k], off + done)
+                if w <= 0 or w % self.block_size:
+                    raise _err(errno.EIO, f"{self.path}: short direct write ({w} of {k} bytes)")
+                done += w
+        except OSError:
+            self._resync(zone)              # the device's wp is the truth after a failure
+            raise
+
+    def _read_buf(self) -> memoryview:
+        mv = getattr(self._tls, "mv", None)
+        if mv is None:
+            self._tls.mm = mmap.mmap(-1, _DIO_CHUNK)
+            mv = self._tls.mv = memoryview(self._tls.mm)
+        return mv
+
+    def _io_read(self, zone: int, offset: int, length: int) -> bytes:
+        bs = self.block_size
+        base = zone << self._zshift
+        start = offset - offset % bs
+        end = _align_up(offset + length, bs)
+        buf = self._read_buf()
+        chunk = len(buf)
+        if end - start <= chunk:
+            self._pread_exact(buf, end - start, base + start)
+            skip = offset - start
+            return bytes(buf[skip:skip + length])
+        out = bytearray(length)
+        pos = start
+        filled = 0
+        while pos < end:
+            k = min(end - pos, chunk)
+            self._pread_exact(buf, k, base + pos)
+            lo = max(offset, pos) - pos
+            hi = min(offset + length, pos + k) - pos
+            out[filled:filled + hi - lo] = buf[lo:hi]
+            filled += hi - lo
+            pos += k
+        return bytes(out)
+
+    def _pread_exact(self, buf: memoryview, k: int, off: int) -> None:
+        got = 0
+        while got < k:
+            r = os.preadv(self._fd, [buf[got:k]], off + got)
+            if r <= 0:
+                raise _err(errno.EIO, f"{self.path}: short direct read at {off + got}")
+            got += r
+
+    def _io_mgmt(self, op: str, zone: int) -> None:
+        arg = _ZONE_RANGE.pack(zone * self._sectors_per_zone, self._size[zone] // _SECTOR)
+        try:
+            self._ioctl(_MGMT_IOCTL[op], arg)
+        except OSError:
+            self._resync(zone)
+            raise
+
+    def _persist(self, zone: int) -> None:
+        pass                                # the device keeps its own zone state
+
+    def _after_mgmt(self, op: str, zone: int, old_wp: int) -> None:
+        # Adopt the device's own transition (e.g. QEMU closes a wp == 0 zone to CLOSED).
+        self._resync(zone)
+
+    def _reload(self) -> None:
+        sizes, caps, wps, conds = self._report_all(self.nr_zones)
+        self._set_table(wps, conds, caps, sizes)
+
+    def flush(self) -> None:
+        os.fsync(self._fd)                  # issues a device cache flush
+
+    def _release(self) -> None:
+        fd = getattr(self, "_fd", -1)
+        if fd >= 0:
+            self._fd = -1
+            os.close(fd)
+            mv = getattr(self, "_wbufmv", None)
+            if mv is not None:
+                mv.release()
+                self._wbuf.close()
+
+
+# ======================================================================================
+
+def open_device(path: str | os.PathLike[str]) -> ZonedDevice:
+    """Open a zoned target: a block device or an image file (chosen by file type)."""
+    path = os.fspath(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise DeviceError(f"{path}: no such file or device") from None
+    except OSError as e:
+        raise DeviceError(f"{path}: {e.strerror}") from None
+    if stat.S_ISBLK(st.st_mode):
+        return BlockZonedDevice(path)
+    if stat.S_ISREG(st.st_mode):
+        return ImageZonedDevice(path)
+    if stat.S_ISDIR(st.st_mode):
+        raise DeviceError(f"{path} is a directory, not a zoned device or image")
+    raise DeviceError(f"{path} is neither a block device nor a zoned image file")

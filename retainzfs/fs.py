@@ -1,0 +1,287 @@
+"""pyfuse3 + trio adapter: POSIX requests <-> Store calls.
+
+Why it is thin: placement, hints and the journal live in the store, which the trace replay drives
+directly; this module only translates FUSE requests, keeps file handles, and pushes every call
+that may touch the device into a worker thread so one slow write never stalls the event loop.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+
+import pyfuse3
+import trio
+
+from .store import FsError, Inode, Store
+
+log = logging.getLogger("retainzfs")
+
+ENTRY_TIMEOUT = 1.0
+
+
+def _run(fn, *args, **kw):
+    return trio.to_thread.run_sync(lambda: fn(*args, **kw))
+
+
+def _fuse_errors(fn):
+    async def wrapper(*args, **kw):
+        try:
+            return await fn(*args, **kw)
+        except FsError as e:
+            raise pyfuse3.FUSEError(e.errno) from None
+        except pyfuse3.FUSEError:
+            raise
+        except OSError as e:
+            log.exception("I/O error in %s", fn.__name__)
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        except Exception:
+            log.exception("internal error in %s", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+    wrapper.__name__ = fn.__name__
+    return wrapper
+
+
+class RetainzOperations(pyfuse3.Operations):
+    """The FUSE operations table."""
+
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, store: Store):
+        super().__init__()
+        self.store = store
+        self.handles: dict[int, int] = {}     # fh -> ino
+        self.next_fh = 1
+
+    # -- attributes --
+    def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = inode.ino
+        a.generation = 0
+        a.entry_timeout = ENTRY_TIMEOUT
+        a.attr_timeout = ENTRY_TIMEOUT
+        a.st_mode = inode.mode
+        a.st_nlink = inode.nlink
+        a.st_uid = inode.uid
+        a.st_gid = inode.gid
+        a.st_rdev = inode.rdev
+        a.st_size = inode.size
+        a.st_blksize = 1 << 20
+        a.st_blocks = (inode.size + 511) // 512
+        a.st_atime_ns = inode.atime
+        a.st_mtime_ns = inode.mtime
+        a.st_ctime_ns = inode.ctime
+        return a
+
+    def _ref(self, inode: Inode) -> pyfuse3.EntryAttributes:
+        self.store.ref(inode.ino)
+        return self._entry(inode)
+
+    @_fuse_errors
+    async def lookup(self, parent_inode, name, ctx=None):
+        return self._ref(self.store.lookup(parent_inode, name))
+
+    @_fuse_errors
+    async def getattr(self, inode, ctx=None):
+        return self._entry(self.store.getattr(inode))
+
+    @_fuse_errors
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        kw = {}
+        if fields.update_mode:
+            kw["mode"] = attr.st_mode
+        if fields.update_uid:
+            kw["uid"] = attr.st_uid
+        if fields.update_gid:
+            kw["gid"] = attr.st_gid
+        if fields.update_atime:
+            kw["atime"] = attr.st_atime_ns
+        if fields.update_mtime:
+            kw["mtime"] = attr.st_mtime_ns
+        if fields.update_ctime:
+            kw["ctime"] = attr.st_ctime_ns
+        if fields.update_size:
+            kw["size"] = attr.st_size
+        return self._entry(await _run(self.store.setattr, inode, **kw))
+
+    async def forget(self, inode_list):
+        for ino, n in inode_list:
+            try:
+                self.store.forget(ino, n)
+            except Exception:
+                log.exception("forget")
+
+    # -- namespace --
+    @_fuse_errors
+    async def readlink(self, inode, ctx):
+        return self.store.readlink(inode)
+
+    @_fuse_errors
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        return self._ref(self.store.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
+
+    @_fuse_errors
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        return self._ref(self.store.mkdir(parent_inode, name, mode & ~ctx.umask, ctx.uid, ctx.gid))
+
+    @_fuse_errors
+    async def symlink(self, parent_inode, name, target, ctx):
+        return self._ref(self.store.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+
+    @_fuse_errors
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        return self._ref(self.store.link(inode, new_parent_inode, new_name))
+
+    @_fuse_errors
+    async def unlink(self, parent_inode, name, ctx):
+        await _run(self.store.unlink, parent_inode, name)
+
+    @_fuse_errors
+    async def rmdir(self, parent_inode, name, ctx):
+        await _run(self.store.rmdir, parent_inode, name)
+
+    @_fuse_errors
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        await _run(self.store.rename, parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    # -- directories --
+    @_fuse_errors
+    async def opendir(self, inode, ctx):
+        self.store.getattr(inode)
+        return inode
+
+    @_fuse_errors
+    async def readdir(self, fh, start_id, token):
+        for name, inode, cookie in self.store.readdir(fh, start_id):
+            if not pyfuse3.readdir_reply(token, name, self._entry(inode), cookie):
+                break
+            if name not in (b".", b".."):
+                self.store.ref(inode.ino)
+
+    async def releasedir(self, fh):
+        return None
+
+    async def fsyncdir(self, fh, datasync):
+        await _run(self.store.sync)
+
+    # -- files --
+    def _new_fh(self, ino: int) -> int:
+        fh = self.next_fh
+        self.next_fh += 1
+        self.handles[fh] = ino
+        return fh
+
+    def _ino(self, fh: int) -> int:
+        try:
+            return self.handles[fh]
+        except KeyError:
+            raise FsError(errno.EBADF) from None
+
+    @_fuse_errors
+    async def open(self, inode, flags, ctx):
+        ino = await _run(self.store.open, inode, truncate=bool(flags & os.O_TRUNC))
+        return pyfuse3.FileInfo(fh=self._new_fh(ino.ino), keep_cache=True)
+
+    @_fuse_errors
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        inode = self.store.create(parent_inode, name, mode & ~ctx.umask, ctx.uid, ctx.gid)
+        self.store.open(inode.ino)
+        return pyfuse3.FileInfo(fh=self._new_fh(inode.ino)), self._ref(inode)
+
+    @_fuse_errors
+    async def read(self, fh, off, size):
+        return await _run(self.store.read, self._ino(fh), off, size)
+
+    @_fuse_errors
+    async def write(self, fh, off, buf):
+        return await _run(self.store.write, self._ino(fh), off, buf)
+
+    @_fuse_errors
+    async def flush(self, fh):
+        await _run(self.store.commit, self._ino(fh), durable=False)
+
+    @_fuse_errors
+    async def fsync(self, fh, datasync):
+        await _run(self.store.commit, self._ino(fh), durable=True)
+
+    @_fuse_errors
+    async def release(self, fh):
+        ino = self.handles.pop(fh, None)
+        if ino is not None:
+            await _run(self.store.release, ino)
+
+    # -- xattrs --
+    @_fuse_errors
+    async def setxattr(self, inode, name, value, ctx):
+        self.store.setxattr(inode, name, value)
+
+    @_fuse_errors
+    async def getxattr(self, inode, name, ctx):
+        return self.store.getxattr(inode, name)
+
+    @_fuse_errors
+    async def listxattr(self, inode, ctx):
+        return self.store.listxattr(inode)
+
+    @_fuse_errors
+    async def removexattr(self, inode, name, ctx):
+        self.store.removexattr(inode, name)
+
+    # -- filesystem --
+    @_fuse_errors
+    async def statfs(self, ctx):
+        s = self.store.statfs()
+        st = pyfuse3.StatvfsData()
+        st.f_bsize = s["bsize"]
+        st.f_frsize = s["bsize"]
+        st.f_blocks = s["blocks"]
+        st.f_bfree = s["bfree"]
+        st.f_bavail = s["bfree"]
+        st.f_files = s["files"] + s["ffree"]
+        st.f_ffree = s["ffree"]
+        st.f_favail = s["ffree"]
+        st.f_namemax = 255
+        return st
+
+    @_fuse_errors
+    async def access(self, inode, mode, ctx):
+        self.store.getattr(inode)
+        return True
+
+
+async def _periodic_sync(store: Store, interval: float) -> None:
+    """Namespace changes become durable within ``interval`` seconds."""
+    while True:
+        await trio.sleep(interval)
+        try:
+            await trio.to_thread.run_sync(store.sync)
+        except Exception:
+            log.exception("periodic journal flush failed")
+
+
+async def serve(store: Store, sync_interval: float = 1.0, ready=None) -> None:
+    """Run the FUSE loop until unmounted (pyfuse3.init must have been called)."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_periodic_sync, store, sync_interval)
+        if ready is not None:
+            ready()
+        try:
+            await pyfuse3.main(workers=8)
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def fuse_options(fsname: str, extra: list[str] | None = None) -> set[str]:
+    opts = set(pyfuse3.default_options)
+    opts.discard("default_permissions")
+    opts |= {"default_permissions", f"fsname={fsname}", "subtype=retainzfs"}
+    for o in extra or []:
+        opts.add(o)
+    return opts
+
+
+def is_dir_mode(mode: int) -> bool:
+    return stat.S_ISDIR(mode)

@@ -1,0 +1,201 @@
+"""Reclaim hints: xattr names, `.retainz` policy parsing, presets, epoch/hint derivation.
+
+Why here and not in the store: these are the *rules* that turn what a runtime says (xattrs) or
+what a directory declares (a `.retainz` TOML file) into a (birth, reclaim, stream) triple.  The
+store only asks "what is the hint of this path?" and places data accordingly.
+"""
+from __future__ import annotations
+
+import errno
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+
+XATTR_BIRTH = b"user.retainz.birth"
+XATTR_RECLAIM = b"user.retainz.reclaim"
+XATTR_STREAM = b"user.retainz.stream"
+HINT_XATTRS = (XATTR_BIRTH, XATTR_RECLAIM, XATTR_STREAM)
+# Read-only virtual xattrs reporting placement/state.
+XATTR_ZONES = b"user.retainz.zones"
+XATTR_HINT = b"user.retainz.hint"
+XATTR_STATUS = b"user.retainz.status"
+VIRTUAL_XATTRS = (XATTR_ZONES, XATTR_HINT, XATTR_STATUS)
+
+POLICY_NAME = b".retainz"
+INF = math.inf
+
+#: generation-name patterns of each framework preset (group 1 = birth epoch)
+PRESETS: dict[str, str] = {
+    "torchtitan": r"^step-(\d+)$",
+    "megatron": r"^iter_(\d+)$",
+    "hf": r"^checkpoint-(\d+)$",
+    "lightning": r"step=(\d+)",
+    "dcp": r"^(?:step|checkpoint|ckpt|epoch)[-_=]?(\d+)$",
+}
+DEFAULT_GENERATION = r"(?:step|iter|checkpoint|ckpt|epoch)[-_=]?(\d+)"
+_POLICY_KEYS = {"preset", "keep_latest", "cadence", "generation", "milestone_every", "stream",
+                "retain_interval"}
+
+
+class HintError(ValueError):
+    """Bad hint input (xattr value or `.retainz`); carries the errno the caller should return."""
+
+    def __init__(self, message: str, err: int = errno.EINVAL):
+        super().__init__(message)
+        self.errno = err
+
+
+@dataclass(frozen=True)
+class Hint:
+    """Placement hint of a file: birth epoch, reclaim epoch (inf = anchor), stream."""
+    birth: int
+    reclaim: float
+    stream: int = 0
+    source: str = "xattr"
+
+    @property
+    def anchor(self) -> bool:
+        return math.isinf(self.reclaim)
+
+
+UNHINTED = Hint(0, INF, 0, "none")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A parsed `.retainz` file."""
+    keep_latest: int | None = None
+    cadence: int | None = None
+    generation: str = DEFAULT_GENERATION
+    milestone_every: int | None = None
+    preset: str | None = None
+    stream: int | None = None
+    pattern: re.Pattern = field(default=re.compile(DEFAULT_GENERATION), compare=False, repr=False)
+
+
+def parse_int_xattr(name: bytes, value: bytes) -> int:
+    try:
+        text = value.decode("ascii").strip()
+        if not re.fullmatch(r"-?\d+", text):
+            raise ValueError
+        return int(text)
+    except (UnicodeDecodeError, ValueError):
+        raise HintError(f"{name.decode()}: expected an integer, got {value[:40]!r}") from None
+
+
+def validate_xattr(name: bytes, value: bytes) -> float | int:
+    """Check a hint xattr value; raise HintError (EINVAL) when it is malformed."""
+    if name == XATTR_RECLAIM:
+        if value.strip().lower() in (b"inf", b"infinity", b"anchor"):
+            return INF
+        return parse_int_xattr(name, value)
+    if name in (XATTR_BIRTH, XATTR_STREAM):
+        v = parse_int_xattr(name, value)
+        if v < 0:
+            raise HintError(f"{name.decode()}: must be >= 0")
+        return v
+    raise HintError(f"unknown hint xattr {name!r}")
+
+
+def hint_from_xattrs(xattrs: dict[bytes, bytes]) -> Hint | None:
+    """A hint when the xattrs name a reclaim epoch (birth defaults to 0)."""
+    if XATTR_RECLAIM not in xattrs:
+        return None
+    reclaim = validate_xattr(XATTR_RECLAIM, xattrs[XATTR_RECLAIM])
+    birth = validate_xattr(XATTR_BIRTH, xattrs[XATTR_BIRTH]) if XATTR_BIRTH in xattrs else 0
+    stream = validate_xattr(XATTR_STREAM, xattrs[XATTR_STREAM]) if XATTR_STREAM in xattrs else 0
+    return Hint(int(birth), float(reclaim), int(stream), "xattr")
+
+
+def _pos_int(doc: dict, key: str) -> int | None:
+    if key not in doc:
+        return None
+    v = doc[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise HintError(f".retainz: {key} must be a positive integer, got {v!r}")
+    return v
+
+
+def parse_policy(data: bytes) -> Policy:
+    """Parse and validate a `.retainz` file; raise HintError with a clear message if malformed."""
+    try:
+        doc = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise HintError(".retainz: not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as e:
+        raise HintError(f".retainz: invalid TOML: {e}") from None
+    unknown = set(doc) - _POLICY_KEYS
+    if unknown:
+        raise HintError(f".retainz: unknown key(s) {', '.join(sorted(unknown))}; "
+                        f"known: {', '.join(sorted(_POLICY_KEYS))}")
+    preset = doc.get("preset")
+    if preset is not None and preset not in PRESETS:
+        raise HintError(f".retainz: unknown preset {preset!r}; one of {', '.join(PRESETS)}")
+    gen = doc.get("generation")
+    if gen is None:
+        gen = PRESETS[preset] if preset else DEFAULT_GENERATION
+    if not isinstance(gen, str):
+        raise HintError(".retainz: generation must be a regex string")
+    try:
+        pat = re.compile(gen)
+    except re.error as e:
+        raise HintError(f".retainz: generation regex {gen!r}: {e}") from None
+    if pat.groups < 1:
+        raise HintError(f".retainz: generation regex {gen!r} needs a group for the birth epoch")
+    keep = _pos_int(doc, "keep_latest")
+    cadence = _pos_int(doc, "cadence")
+    milestone = _pos_int(doc, "milestone_every") or _pos_int(doc, "retain_interval")
+    stream = doc.get("stream")
+    if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int) or stream < 0):
+        raise HintError(".retainz: stream must be an integer >= 0")
+    return Policy(keep, cadence, gen, milestone, preset, stream, pat)
+
+
+def generation_birth(policy: Policy, name: str) -> int | None:
+    """Birth epoch encoded in a generation name, or None when the name is not a generation."""
+    m = policy.pattern.search(name)
+    if not m:
+        return None
+    try:
+        return int(m.group(1))
+    except (TypeError, ValueError):
+        return None
+
+
+def infer_cadence(births: list[int]) -> int | None:
+    """Smallest positive gap between known generation births (the save cadence)."""
+    b = sorted(set(births))
+    gaps = [y - x for x, y in zip(b, b[1:]) if y > x]
+    return min(gaps) if gaps else None
+
+
+def derive_hint(policy: Policy, components: list[str], sibling_births: list[int],
+                stream: int) -> Hint | None:
+    """Hint of a path below a policy directory.
+
+    ``components`` are the path parts below the directory holding `.retainz`; the first part
+    that matches the generation pattern gives the birth ``a``.  Latest-K with cadence ``c``
+    gives ``d = a + c*K``; milestones (``a % milestone_every == 0``) and policies without
+    ``keep_latest`` are anchors.  When ``cadence`` is absent it is inferred from the sibling
+    generations' names, and from the birth itself for the very first generation (step-100 ->
+    cadence 100).
+    """
+    for i, comp in enumerate(components):
+        birth = generation_birth(policy, comp)
+        if birth is None:
+            continue
+        if policy.milestone_every and birth > 0 and birth % policy.milestone_every == 0:
+            return Hint(birth, INF, stream, "policy-milestone")
+        if not policy.keep_latest:
+            return Hint(birth, INF, stream, "policy")
+        cadence = policy.cadence or infer_cadence(sibling_births + [birth]) or max(birth, 1)
+        return Hint(birth, float(birth + cadence * policy.keep_latest), stream, "policy")
+    return None
+
+
+def round_hint(hint: float, grid: int) -> float:
+    """Round a finite hint up to a grid of ``grid`` epochs (hint-precision experiments)."""
+    if grid <= 1 or math.isinf(hint):
+        return hint
+    return float(math.ceil(hint / grid) * grid)

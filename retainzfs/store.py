@@ -1,0 +1,1225 @@
+"""The store: namespace + files -> extents, write buffers, commit, delete, GC and recovery.
+
+Why one class owns all of this: every mutation is expressed as a journal record that is applied
+to the in-memory state by the same code at run time and at replay (``_apply``), so what the
+mount does and what recovery reconstructs cannot drift apart.  ``fs.py`` (FUSE) and
+``replay.py`` (trace replay) both drive this class; neither knows about zones.
+
+Concurrency: ``self.lock`` guards the namespace, allocator summaries and the journal buffer and
+is only held for short, CPU-only critical sections.  ``self.io_lock`` serialises device writes,
+finishes, resets and journal writes (zones must be written at their write pointer, in order).
+The order is always io_lock -> lock, never the reverse.  Reads take neither lock during device
+I/O; a zone reset waits until in-flight reads are done (``_readers``).
+
+Durability contract: a file's data and extents are durable when ``fsync`` returns; ``flush``
+(close) writes data and journal records without a device flush; namespace changes are durable at
+the next journal flush (the mount flushes every second, and always before an fsync returns).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import os
+import stat
+import threading
+import time
+import uuid as uuidlib
+from dataclasses import dataclass, field
+
+from . import _journal as J
+from . import hints as H
+from ._alloc import Allocator, NoSpace
+from .device import ZoneCond, ZonedDevice
+from .extents import ExtentMap
+
+log = logging.getLogger("retainzfs")
+
+ROOT_INO = 1
+INF = math.inf
+DEFAULT_META_ZONES = 3
+FLUSH_BYTES = 4 << 20          # per-file write buffer bound before data go to a zone
+NAME_MAX = 255
+
+
+class FsError(OSError):
+    """An errno-carrying error the FUSE adapter returns as is."""
+
+    def __init__(self, err: int, msg: str = ""):
+        super().__init__(err, msg or os.strerror(err))
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+@dataclass(eq=False)
+class Inode:
+    ino: int
+    mode: int
+    uid: int = 0
+    gid: int = 0
+    nlink: int = 1
+    size: int = 0
+    atime: int = 0
+    mtime: int = 0
+    ctime: int = 0
+    rdev: int = 0
+    target: bytes = b""
+    xattrs: dict = field(default_factory=dict)
+    hint: H.Hint | None = None
+    parent: int = 0
+    name: bytes = b""
+    extents: ExtentMap = field(default_factory=ExtentMap)
+    entries: dict = field(default_factory=dict)    # dirs: name -> ino (insertion order = cookie order)
+    cookies: dict = field(default_factory=dict)    # dirs: name -> stable readdir cookie
+    next_cookie: int = 3
+    # run-time only
+    opens: int = 0
+    lookups: int = 0
+    wbuf: bytearray = field(default_factory=bytearray)
+    wbuf_off: int = 0
+    dirty: bool = False
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def is_reg(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
+    def attrs(self) -> dict:
+        d = {"i": self.ino, "m": self.mode, "u": self.uid, "g": self.gid, "n": self.nlink,
+             "s": self.size, "a": self.atime, "mt": self.mtime, "c": self.ctime, "r": self.rdev,
+             "p": self.parent, "nm": self.name.decode("latin-1")}
+        if self.target:
+            d["t"] = self.target.decode("latin-1")
+        if self.xattrs:
+            d["x"] = {k.decode("latin-1"): v.decode("latin-1") for k, v in self.xattrs.items()}
+        if self.hint is not None:
+            d["h"] = [self.hint.birth, self.hint.reclaim, self.hint.stream, self.hint.source]
+        return d
+
+    def set_attrs(self, d: dict) -> None:
+        self.mode, self.uid, self.gid, self.nlink = d["m"], d["u"], d["g"], d["n"]
+        self.size, self.atime, self.mtime, self.ctime, self.rdev = d["s"], d["a"], d["mt"], d["c"], d["r"]
+        self.parent, self.name = d.get("p", 0), d.get("nm", "").encode("latin-1")
+        self.target = d.get("t", "").encode("latin-1")
+        self.xattrs = {k.encode("latin-1"): v.encode("latin-1") for k, v in d.get("x", {}).items()}
+        h = d.get("h")
+        self.hint = H.Hint(int(h[0]), float(h[1]), int(h[2]), h[3]) if h else None
+
+
+@dataclass
+class StoreOptions:
+    allocator: str = "retainz"
+    lam: float = 1.0
+    hint_grid: int = 0
+    gc_reserve: int = 1
+    flush_bytes: int = FLUSH_BYTES
+    common_admission: bool = False
+    fullscan: bool = False
+
+
+class Store:
+    """A mounted retainzfs filesystem on a ZonedDevice."""
+
+    # ------------------------------------------------------------------ format / open
+    @staticmethod
+    def format(dev: ZonedDevice, *, meta_zones: int = DEFAULT_META_ZONES,
+               allocator: str = "retainz", gc_reserve: int = 1) -> dict:
+        """Write a fresh filesystem: reset every zone, superblock + empty snapshot in zone 0."""
+        if dev.nr_zones < meta_zones + 2 + gc_reserve:
+            raise FsError(errno.EINVAL, f"device has {dev.nr_zones} zones; need at least "
+                                        f"{meta_zones + 2 + gc_reserve}")
+        sb = {"magic": J.MAGIC, "version": J.FORMAT_VERSION, "uuid": str(uuidlib.uuid4()),
+              "block_size": dev.block_size, "zone_size": dev.zone_size,
+              "zone_capacity": dev.zone_capacity, "nr_zones": dev.nr_zones,
+              "meta_zones": meta_zones, "allocator": allocator, "gc_reserve": gc_reserve,
+              "created": int(time.time()), "seq": 1}
+        for z in range(meta_zones, dev.nr_zones):
+            if dev.zone(z).wp or dev.zone(z).cond != ZoneCond.EMPTY:
+                dev.reset(z)
+        t = now_ns()
+        root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, nlink=2, atime=t, mtime=t, ctime=t)
+        snap = Store._encode_snapshot({ROOT_INO: root}, ROOT_INO + 1)
+        jr = J.Journal(dev, meta_zones, sb, lambda: snap)
+        jr.format()
+        return sb
+
+    def __init__(self, dev: ZonedDevice, options: StoreOptions | None = None):
+        self.dev = dev
+        self.lock = threading.RLock()
+        self.io_lock = threading.Lock()
+        self._readers = 0
+        self._readers_cv = threading.Condition(threading.Lock())
+        info = J.Journal.find_latest(dev, DEFAULT_META_ZONES)
+        sb = info["super"]
+        self.sb = sb
+        if (sb["zone_size"] != dev.zone_size or sb["nr_zones"] != dev.nr_zones
+                or sb["block_size"] != dev.block_size):
+            raise FsError(errno.EINVAL, "superblock geometry does not match the device")
+        opts = options or StoreOptions(allocator=sb.get("allocator", "retainz"),
+                                       gc_reserve=sb.get("gc_reserve", 1))
+        self.opts = opts
+        self.meta_zones = sb["meta_zones"]
+        self.bs = dev.block_size
+        self.cap = dev.zone_capacity
+        self.inodes: dict[int, Inode] = {}
+        self.next_ino = ROOT_INO + 1
+        self.policies: dict[int, H.Policy] = {}
+        self.policy_errors: dict[int, str] = {}
+        self.now = 0
+        self.journal = J.Journal(dev, self.meta_zones, sb, self._snapshot)
+        self.journal.active = info["zone"]
+        self.journal.seq = sb["seq"]
+        self.stats = {"payload_bytes": 0, "pad_bytes": 0, "gc_copied_bytes": 0, "zone_resets": 0,
+                      "zone_finishes": 0, "commits": 0, "enospc": 0, "gc_runs": 0}
+        self.commit_ms: list[float] = []
+        self.open_lru: dict[int, None] = {}
+        self.replayed_records = 0
+        self.journal_truncated = not info["clean"]
+        self._load(info)
+
+    # ------------------------------------------------------------------ recovery
+    def _load(self, info: dict) -> None:
+        self._load_snapshot(info["snapshot"])
+        for rtype, payload, _ in info["records"]:
+            self._apply(rtype, payload)
+            self.replayed_records += 1
+        # allocator summaries from the extent map and the device's write pointers
+        data_active = self.dev.max_active - 1 if self.dev.max_active else 0
+        self.alloc = Allocator(self.dev.nr_zones, self.cap, self.meta_zones, self.opts.allocator,
+                               max_active=data_active, lam=self.opts.lam,
+                               hint_grid=self.opts.hint_grid, gc_reserve=self.opts.gc_reserve,
+                               fullscan=self.opts.fullscan, block_size=self.bs)
+        live: dict[int, list] = {}
+        for ino in self.inodes.values():
+            for e in ino.extents:
+                live.setdefault(e.zone, []).append(e)
+            if ino.hint is not None and ino.hint.birth > self.now:
+                self.now = ino.hint.birth
+        repaired = []
+        for z in range(self.meta_zones, self.dev.nr_zones):
+            zone = self.dev.zone(z)
+            exts = live.get(z, [])
+            if not exts:
+                if zone.wp or zone.cond != ZoneCond.EMPTY:
+                    self.dev.reset(z)        # nothing live: garbage of an interrupted write
+                    repaired.append(z)
+                continue
+            lsum = 0
+            for e in exts:
+                if e.zoff + e.length > zone.wp and zone.cond != ZoneCond.FULL:
+                    log.error("extent %r lies past zone %d write pointer %d", e, z, zone.wp)
+                self.alloc.note_write(z, e.length, e.hint, True)
+                lsum += e.length
+            written = zone.capacity if zone.cond == ZoneCond.FULL else zone.wp
+            if written > lsum:
+                self.alloc.note_write(z, written - lsum, INF, False)
+            if zone.cond == ZoneCond.FULL:
+                self.alloc.note_finish(z)
+            elif zone.cond in (ZoneCond.IMP_OPEN, ZoneCond.EXP_OPEN):
+                self.dev.close(z)            # start with every data zone closed
+        if repaired:
+            log.info("recovery: reset %d zones with no live data", len(repaired))
+        # orphans: unlinked files that were open when the daemon died
+        for ino in [i for i in self.inodes.values() if i.nlink == 0]:
+            self._free_inode(ino, journal=True)
+        for d in list(self.inodes.values()):
+            if d.is_dir and H.POLICY_NAME in d.entries:
+                self._load_policy(d.ino, quiet=True)
+        if self.journal_truncated or self.replayed_records > 2000:
+            with self.io_lock:
+                self.journal.roll()          # start a clean log after a torn/corrupt record
+        self._reset_empty_zones()
+
+    def _load_snapshot(self, snap: bytes) -> None:
+        doc = json.loads(snap)
+        self.next_ino = doc["next_ino"]
+        self.now = doc.get("now", 0)
+        for d in doc["inodes"]:
+            ino = Inode(d["i"], d["m"])
+            ino.set_attrs(d)
+            ino.extents = ExtentMap()
+            for off, length, zone, zoff, hint in d.get("e", []):
+                ino.extents.add(off, length, zone, zoff, float(hint))
+            for name in d.get("d", []):
+                pass
+            self.inodes[ino.ino] = ino
+        for d in doc["inodes"]:
+            parent = self.inodes[d["i"]]
+            for name, child in d.get("d", {}).items():
+                self._link_entry(parent, name.encode("latin-1"), child)
+
+    @staticmethod
+    def _encode_snapshot(inodes: dict, next_ino: int, now: int = 0) -> bytes:
+        out = []
+        for ino in inodes.values():
+            d = ino.attrs()
+            if ino.extents:
+                d["e"] = [e.as_list() for e in ino.extents]
+            if ino.entries:
+                d["d"] = {k.decode("latin-1"): v for k, v in ino.entries.items()}
+            out.append(d)
+        return json.dumps({"next_ino": next_ino, "now": now, "inodes": out},
+                          separators=(",", ":")).encode()
+
+    def _snapshot(self) -> bytes:
+        with self.lock:
+            return self._encode_snapshot(self.inodes, self.next_ino, self.now)
+
+    # ------------------------------------------------------------------ journal apply
+    def _do(self, rtype: int, payload: bytes):
+        """Apply a record to memory and queue it in the journal (caller holds self.lock)."""
+        res = self._apply(rtype, payload)
+        self.journal.append(rtype, payload)
+        if len(self.journal.pending) > (1 << 20):
+            self._want_journal_flush = True
+        return res
+
+    def _link_entry(self, parent: Inode, name: bytes, ino: int) -> None:
+        parent.entries[name] = ino
+        parent.cookies[name] = parent.next_cookie
+        parent.next_cookie += 1
+
+    def _apply(self, rtype: int, payload: bytes):
+        if rtype == J.EXTENT:
+            ino, off, zone, zoff, length, hint = J.unpack_extent(payload)
+            inode = self.inodes[ino]
+            dead = inode.extents.add(off, length, zone, zoff, hint)
+            return dead
+        if rtype == J.INODE:
+            d = J.unpack_json(payload)
+            inode = self.inodes.get(d["i"])
+            if inode is None:
+                inode = self.inodes[d["i"]] = Inode(d["i"], d["m"])
+                self.next_ino = max(self.next_ino, d["i"] + 1)
+            inode.set_attrs(d)
+            return inode
+        if rtype == J.DIRENT_ADD:
+            d = J.unpack_json(payload)
+            parent = self.inodes[d["p"]]
+            self._link_entry(parent, d["n"].encode("latin-1"), d["i"])
+            parent.mtime = parent.ctime = d["t"]
+            return None
+        if rtype == J.DIRENT_DEL:
+            d = J.unpack_json(payload)
+            parent = self.inodes[d["p"]]
+            name = d["n"].encode("latin-1")
+            parent.entries.pop(name, None)
+            parent.cookies.pop(name, None)
+            parent.mtime = parent.ctime = d["t"]
+            return None
+        if rtype == J.RENAME:
+            d = J.unpack_json(payload)
+            op, np_ = self.inodes[d["op"]], self.inodes[d["np"]]
+            on, nn = d["on"].encode("latin-1"), d["nn"].encode("latin-1")
+            ino = op.entries.pop(on)
+            op.cookies.pop(on, None)
+            np_.entries.pop(nn, None)
+            np_.cookies.pop(nn, None)
+            self._link_entry(np_, nn, ino)
+            child = self.inodes[ino]
+            child.parent, child.name = np_.ino, nn
+            op.mtime = op.ctime = np_.mtime = np_.ctime = d["t"]
+            child.ctime = d["t"]
+            return None
+        if rtype == J.INODE_DEL:
+            ino = J.unpack_json(payload)["i"]
+            inode = self.inodes.pop(ino, None)
+            return inode.extents.clear() if inode is not None else []
+        if rtype == J.TRUNCATE:
+            ino, size = J.unpack_truncate(payload)
+            inode = self.inodes[ino]
+            dead = inode.extents.truncate(size)
+            inode.size = size
+            return dead
+        if rtype == J.RELOCATE:
+            ino, off, length, oz, ooff, nz, noff = J.unpack_relocate(payload)
+            inode = self.inodes.get(ino)
+            return inode is not None and inode.extents.relocate(off, length, oz, ooff, nz, noff)
+        if rtype in (J.ZONE_FINISH, J.ZONE_RESET, J.SUPER, J.SNAP_BEGIN, J.SNAP_CHUNK, J.SNAP_END):
+            return None
+        raise FsError(errno.EIO, f"unknown journal record type {rtype}")
+
+    # ------------------------------------------------------------------ helpers
+    def _get(self, ino: int) -> Inode:
+        inode = self.inodes.get(ino)
+        if inode is None:
+            raise FsError(errno.ENOENT)
+        return inode
+
+    def _dir(self, ino: int) -> Inode:
+        inode = self._get(ino)
+        if not inode.is_dir:
+            raise FsError(errno.ENOTDIR)
+        return inode
+
+    @staticmethod
+    def _check_name(name: bytes) -> None:
+        if not name or b"/" in name or name in (b".", b".."):
+            raise FsError(errno.EINVAL)
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
+
+    def _save_inode(self, inode: Inode) -> None:
+        self._do(J.INODE, J.pack_json(inode.attrs()))
+
+    def _dead(self, pieces) -> None:
+        """Account superseded/freed bytes; queue zones that hold no live data for reset."""
+        for zone, nbytes, hint in pieces:
+            self.alloc.note_dead(zone, nbytes, hint)
+            if self.alloc.summary(zone)["L"] <= 0:
+                self._pending_resets.add(zone)
+
+    _pending_resets: set = set()
+    _want_journal_flush = False
+
+    # ------------------------------------------------------------------ namespace
+    def root(self) -> Inode:
+        return self.inodes[ROOT_INO]
+
+    def getattr(self, ino: int) -> Inode:
+        with self.lock:
+            return self._get(ino)
+
+    def lookup(self, parent: int, name: bytes) -> Inode:
+        with self.lock:
+            p = self._dir(parent)
+            if name == b".":
+                return p
+            if name == b"..":
+                return self.inodes.get(p.parent or ROOT_INO, p)
+            ino = p.entries.get(name)
+            if ino is None:
+                raise FsError(errno.ENOENT)
+            return self.inodes[ino]
+
+    def _new_inode(self, parent: Inode, name: bytes, mode: int, uid: int, gid: int,
+                   target: bytes = b"", rdev: int = 0) -> Inode:
+        self._check_name(name)
+        if name in parent.entries:
+            raise FsError(errno.EEXIST)
+        t = now_ns()
+        ino = Inode(self.next_ino, mode, uid, gid, nlink=2 if stat.S_ISDIR(mode) else 1,
+                    atime=t, mtime=t, ctime=t, target=target, rdev=rdev, parent=parent.ino,
+                    name=name, size=len(target))
+        # directory hint xattrs are inherited by new children (runtime tags the gen dir)
+        self._save_inode(ino)
+        self._do(J.DIRENT_ADD, J.pack_json({"p": parent.ino, "n": name.decode("latin-1"),
+                                            "i": ino.ino, "t": t}))
+        if stat.S_ISDIR(mode):
+            parent.nlink += 1
+            self._save_inode(parent)
+        return self.inodes[ino.ino]
+
+    def create(self, parent: int, name: bytes, mode: int, uid: int = 0, gid: int = 0) -> Inode:
+        with self.lock:
+            p = self._dir(parent)
+            return self._new_inode(p, name, stat.S_IFREG | (mode & 0o7777), uid, gid)
+
+    def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int = 0, gid: int = 0) -> Inode:
+        with self.lock:
+            p = self._dir(parent)
+            return self._new_inode(p, name, mode, uid, gid, rdev=rdev)
+
+    def mkdir(self, parent: int, name: bytes, mode: int, uid: int = 0, gid: int = 0) -> Inode:
+        with self.lock:
+            p = self._dir(parent)
+            return self._new_inode(p, name, stat.S_IFDIR | (mode & 0o7777), uid, gid)
+
+    def symlink(self, parent: int, name: bytes, target: bytes, uid: int = 0, gid: int = 0) -> Inode:
+        with self.lock:
+            p = self._dir(parent)
+            return self._new_inode(p, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
+
+    def readlink(self, ino: int) -> bytes:
+        with self.lock:
+            inode = self._get(ino)
+            if not stat.S_ISLNK(inode.mode):
+                raise FsError(errno.EINVAL)
+            return inode.target
+
+    def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
+        with self.lock:
+            inode = self._get(ino)
+            if inode.is_dir:
+                raise FsError(errno.EPERM)
+            p = self._dir(new_parent)
+            self._check_name(new_name)
+            if new_name in p.entries:
+                raise FsError(errno.EEXIST)
+            t = now_ns()
+            inode.nlink += 1
+            inode.ctime = t
+            self._save_inode(inode)
+            self._do(J.DIRENT_ADD, J.pack_json({"p": p.ino, "n": new_name.decode("latin-1"),
+                                                "i": ino, "t": t}))
+            return inode
+
+    def _drop_link(self, inode: Inode) -> None:
+        inode.nlink -= 1 if not inode.is_dir else inode.nlink
+        inode.ctime = now_ns()
+        if inode.nlink <= 0:
+            inode.nlink = 0
+            if inode.opens == 0:
+                self._free_inode(inode, journal=True)
+                return
+        self._save_inode(inode)
+
+    def _free_inode(self, inode: Inode, journal: bool) -> None:
+        inode.wbuf = bytearray()
+        if inode.is_dir:
+            self.policies.pop(inode.ino, None)
+        dead = self._do(J.INODE_DEL, J.pack_json({"i": inode.ino}))
+        self._dead(dead)
+
+    def unlink(self, parent: int, name: bytes) -> None:
+        with self.lock:
+            p = self._dir(parent)
+            ino = p.entries.get(name)
+            if ino is None:
+                raise FsError(errno.ENOENT)
+            inode = self.inodes[ino]
+            if inode.is_dir:
+                raise FsError(errno.EISDIR)
+            self._do(J.DIRENT_DEL, J.pack_json({"p": p.ino, "n": name.decode("latin-1"),
+                                                "t": now_ns()}))
+            if name == H.POLICY_NAME:
+                self.policies.pop(p.ino, None)
+                self.policy_errors.pop(p.ino, None)
+            self._drop_link(inode)
+        self._reset_empty_zones()
+
+    def rmdir(self, parent: int, name: bytes) -> None:
+        with self.lock:
+            p = self._dir(parent)
+            ino = p.entries.get(name)
+            if ino is None:
+                raise FsError(errno.ENOENT)
+            inode = self.inodes[ino]
+            if not inode.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if inode.entries:
+                raise FsError(errno.ENOTEMPTY)
+            self._do(J.DIRENT_DEL, J.pack_json({"p": p.ino, "n": name.decode("latin-1"),
+                                                "t": now_ns()}))
+            p.nlink -= 1
+            self._save_inode(p)
+            inode.nlink = 0
+            if inode.opens == 0 and inode.lookups == 0:
+                self._free_inode(inode, journal=True)
+            else:
+                self._save_inode(inode)
+
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+               flags: int = 0) -> None:
+        RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+        with self.lock:
+            op, np_ = self._dir(old_parent), self._dir(new_parent)
+            self._check_name(new_name)
+            ino = op.entries.get(old_name)
+            if ino is None:
+                raise FsError(errno.ENOENT)
+            if flags & RENAME_EXCHANGE:
+                raise FsError(errno.EINVAL)
+            moving = self.inodes[ino]
+            if moving.is_dir:        # refuse moving a directory below itself
+                a = np_
+                while True:
+                    if a.ino == moving.ino:
+                        raise FsError(errno.EINVAL)
+                    if a.ino == ROOT_INO or not a.parent:
+                        break
+                    a = self.inodes[a.parent]
+            victim_ino = np_.entries.get(new_name)
+            victim = None
+            if victim_ino is not None:
+                if flags & RENAME_NOREPLACE:
+                    raise FsError(errno.EEXIST)
+                if victim_ino == ino:
+                    return
+                victim = self.inodes[victim_ino]
+                if victim.is_dir:
+                    if not moving.is_dir:
+                        raise FsError(errno.EISDIR)
+                    if victim.entries:
+                        raise FsError(errno.ENOTEMPTY)
+                elif moving.is_dir:
+                    raise FsError(errno.ENOTDIR)
+            self._do(J.RENAME, J.pack_json({"op": op.ino, "on": old_name.decode("latin-1"),
+                                            "np": np_.ino, "nn": new_name.decode("latin-1"),
+                                            "t": now_ns()}))
+            if moving.is_dir and op.ino != np_.ino:
+                op.nlink -= 1
+                np_.nlink += 1
+                self._save_inode(op)
+                self._save_inode(np_)
+            self._save_inode(moving)
+            if victim is not None:
+                if victim.is_dir:
+                    np_.nlink -= 1
+                    self._save_inode(np_)
+                    victim.nlink = 0
+                    if victim.opens == 0 and victim.lookups == 0:
+                        self._free_inode(victim, journal=True)
+                else:
+                    self._drop_link(victim)
+            for d, n in ((op, old_name), (np_, new_name)):
+                if n == H.POLICY_NAME:
+                    self.policies.pop(d.ino, None)
+                    self.policy_errors.pop(d.ino, None)
+            if new_name == H.POLICY_NAME and not moving.is_dir:
+                try:
+                    self._load_policy(np_.ino)
+                except H.HintError:
+                    pass
+        self._reset_empty_zones()
+
+    def readdir(self, ino: int, start: int) -> list[tuple[bytes, Inode, int]]:
+        """Entries with cookie > start, in cookie order: (name, inode, cookie)."""
+        with self.lock:
+            d = self._dir(ino)
+            out = []
+            if start < 1:
+                out.append((b".", d, 1))
+            if start < 2:
+                out.append((b"..", self.inodes.get(d.parent or ROOT_INO, d), 2))
+            for name, cookie in d.cookies.items():
+                if cookie > start:
+                    out.append((name, self.inodes[d.entries[name]], cookie))
+            return out
+
+    def setattr(self, ino: int, *, mode: int | None = None, uid: int | None = None,
+                gid: int | None = None, size: int | None = None, atime: int | None = None,
+                mtime: int | None = None, ctime: int | None = None) -> Inode:
+        if size is not None:
+            self.truncate(ino, size)
+        with self.lock:
+            inode = self._get(ino)
+            t = now_ns()
+            if mode is not None:
+                inode.mode = (inode.mode & ~0o7777) | (mode & 0o7777)
+            if uid is not None:
+                inode.uid = uid
+            if gid is not None:
+                inode.gid = gid
+            if atime is not None:
+                inode.atime = atime
+            if mtime is not None:
+                inode.mtime = mtime
+            inode.ctime = ctime if ctime is not None else t
+            self._save_inode(inode)
+            return inode
+
+    def ref(self, ino: int, n: int = 1) -> None:
+        """The kernel learned about an inode (lookup/create reply)."""
+        with self.lock:
+            inode = self.inodes.get(ino)
+            if inode is not None:
+                inode.lookups += n
+
+    def forget(self, ino: int, n: int) -> None:
+        with self.lock:
+            inode = self.inodes.get(ino)
+            if inode is None:
+                return
+            inode.lookups = max(0, inode.lookups - n)
+            if inode.is_dir and inode.nlink == 0 and inode.lookups == 0 and inode.opens == 0:
+                self._free_inode(inode, journal=True)
+
+    # ------------------------------------------------------------------ xattrs
+    def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        with self.lock:
+            inode = self._get(ino)
+            if name in H.VIRTUAL_XATTRS:
+                raise FsError(errno.EPERM)
+            if name in H.HINT_XATTRS:
+                try:
+                    H.validate_xattr(name, value)
+                except H.HintError as e:
+                    log.warning("setxattr %s on inode %d refused: %s", name.decode(), ino, e)
+                    raise FsError(errno.EINVAL, str(e)) from None
+            if len(name) > 255 or len(value) > 65536:
+                raise FsError(errno.ERANGE)
+            inode.xattrs[name] = bytes(value)
+            inode.ctime = now_ns()
+            self._save_inode(inode)
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        with self.lock:
+            inode = self._get(ino)
+            if name == H.XATTR_ZONES:
+                zones = sorted({e.zone for e in inode.extents})
+                return ",".join(map(str, zones)).encode()
+            if name == H.XATTR_HINT:
+                h = inode.hint if inode.hint is not None else (
+                    self._resolve_hint(inode) if inode.is_reg else None)
+                if h is None:
+                    raise FsError(errno.ENODATA)
+                return json.dumps({"birth": h.birth, "reclaim": _fmt_hint(h.reclaim),
+                                   "stream": h.stream, "source": h.source}).encode()
+            if name == H.XATTR_STATUS and ino == ROOT_INO:
+                return json.dumps(self.status()).encode()
+            try:
+                return inode.xattrs[name]
+            except KeyError:
+                raise FsError(errno.ENODATA) from None
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        with self.lock:
+            return list(self._get(ino).xattrs)
+
+    def removexattr(self, ino: int, name: bytes) -> None:
+        with self.lock:
+            inode = self._get(ino)
+            if name not in inode.xattrs:
+                raise FsError(errno.ENODATA)
+            del inode.xattrs[name]
+            inode.ctime = now_ns()
+            self._save_inode(inode)
+
+    # ------------------------------------------------------------------ hints
+    def _load_policy(self, dir_ino: int, quiet: bool = False) -> None:
+        d = self.inodes[dir_ino]
+        pino = d.entries.get(H.POLICY_NAME)
+        if pino is None:
+            self.policies.pop(dir_ino, None)
+            return
+        data = self._read_all(self.inodes[pino])
+        try:
+            self.policies[dir_ino] = H.parse_policy(data)
+            self.policy_errors.pop(dir_ino, None)
+        except H.HintError as e:
+            self.policy_errors[dir_ino] = str(e)
+            log.error("%s: %s", self.path_of(pino), e)
+            if not quiet:
+                raise
+
+    def _read_all(self, inode: Inode) -> bytes:
+        if inode.size > (1 << 20):
+            return b""
+        out = bytearray(inode.size)
+        for dst, zone, zoff, length in inode.extents.lookup(0, inode.size):
+            out[dst:dst + length] = self.dev.read(zone, zoff, length)
+        if inode.wbuf:
+            o = inode.wbuf_off
+            out[o:o + len(inode.wbuf)] = inode.wbuf
+        return bytes(out[:inode.size])
+
+    def path_of(self, ino: int) -> str:
+        parts = []
+        inode = self.inodes.get(ino)
+        while inode is not None and inode.ino != ROOT_INO:
+            parts.append(inode.name.decode("utf-8", "replace"))
+            inode = self.inodes.get(inode.parent)
+        return "/" + "/".join(reversed(parts))
+
+    def _resolve_hint(self, inode: Inode) -> H.Hint:
+        """Hint of a file: its xattrs, an ancestor's xattrs, an ancestor's .retainz, or none."""
+        h = H.hint_from_xattrs(inode.xattrs)
+        if h is not None:
+            return h
+        chain = []          # (dir inode, name of the child on the path below it)
+        child = inode
+        while child.parent and child.ino != ROOT_INO:
+            parent = self.inodes.get(child.parent)
+            if parent is None:
+                break
+            chain.append((parent, child.name))
+            child = parent
+        names_below: list[str] = []
+        for depth, (d, name) in enumerate(chain):
+            names_below.insert(0, name.decode("utf-8", "replace"))
+            h = H.hint_from_xattrs(d.xattrs)
+            if h is not None:
+                return H.Hint(h.birth, h.reclaim, h.stream, "xattr-inherited")
+            pol = self.policies.get(d.ino)
+            if pol is None:
+                continue
+            # births of the generation siblings: entries of the dir holding the generation
+            stream = pol.stream if pol.stream is not None else d.ino
+            for k, comp in enumerate(names_below):
+                if H.generation_birth(pol, comp) is None:
+                    continue
+                holder = chain[depth - k][0] if k <= depth else d
+                sibs = [b for b in (H.generation_birth(pol, n.decode("utf-8", "replace"))
+                                    for n in holder.entries) if b is not None]
+                h = H.derive_hint(pol, names_below[k:], sibs, stream)
+                if h is not None:
+                    return h
+                break
+            return H.Hint(0, INF, stream, "policy-nongeneration")
+        return H.UNHINTED
+
+    # ------------------------------------------------------------------ file data
+    def open(self, ino: int, truncate: bool = False) -> Inode:
+        if truncate:
+            self.truncate(ino, 0)
+        with self.lock:
+            inode = self._get(ino)
+            inode.opens += 1
+            return inode
+
+    def write(self, ino: int, off: int, data: bytes) -> int:
+        n = len(data)
+        if n == 0:
+            return 0
+        while True:
+            need_flush = False
+            with self.lock:
+                inode = self._get(ino)
+                buf = inode.wbuf
+                if not buf:
+                    inode.wbuf_off = off
+                    buf += data
+                elif off == inode.wbuf_off + len(buf):
+                    buf += data
+                else:
+                    need_flush = True
+                if not need_flush:
+                    t = now_ns()
+                    inode.mtime = inode.ctime = t
+                    if off + n > inode.size:
+                        inode.size = off + n
+                    inode.dirty = True
+                    full = len(buf) >= self.opts.flush_bytes
+            if need_flush:
+                self._flush_data(ino, final=True)
+                continue
+            if full:
+                self._flush_data(ino, final=False)
+            return n
+
+    def read(self, ino: int, off: int, size: int) -> bytes:
+        with self.lock:
+            inode = self._get(ino)
+            if off >= inode.size or size <= 0:
+                return b""
+            size = min(size, inode.size - off)
+            segs = inode.extents.lookup(off, size)
+            overlay = None
+            if inode.wbuf:
+                bo, bl = inode.wbuf_off, len(inode.wbuf)
+                lo, hi = max(bo, off), min(bo + bl, off + size)
+                if hi > lo:
+                    overlay = (lo - off, bytes(inode.wbuf[lo - bo:hi - bo]))
+            with self._readers_cv:
+                self._readers += 1
+        try:
+            if len(segs) == 1 and segs[0][0] == 0 and segs[0][3] == size and overlay is None:
+                return self.dev.read(segs[0][1], segs[0][2], size)
+            out = bytearray(size)
+            for dst, zone, zoff, length in segs:
+                out[dst:dst + length] = self.dev.read(zone, zoff, length)
+        finally:
+            with self._readers_cv:
+                self._readers -= 1
+                self._readers_cv.notify_all()
+        if overlay is not None:
+            out[overlay[0]:overlay[0] + len(overlay[1])] = overlay[1]
+        return bytes(out)
+
+    def truncate(self, ino: int, size: int) -> None:
+        self._flush_data(ino, final=True)
+        with self.io_lock:
+            with self.lock:
+                inode = self._get(ino)
+                if not inode.is_reg:
+                    raise FsError(errno.EISDIR if inode.is_dir else errno.EINVAL)
+                if size == inode.size:
+                    return
+                dead = self._do(J.TRUNCATE, J.pack_truncate(ino, size))
+                self._dead(dead)
+                inode.mtime = inode.ctime = now_ns()
+                self._save_inode(inode)
+        self._reset_empty_zones()
+
+    def _ensure_open_slot(self, zone: int) -> None:
+        """Close least-recently-used data zones so a write to ``zone`` stays within max_open."""
+        dev = self.dev
+        if dev.zone(zone).is_open:
+            self.open_lru.pop(zone, None)
+            self.open_lru[zone] = None
+            return
+        if dev.max_open:
+            while dev.open_count() >= dev.max_open:
+                victim = next((z for z in self.open_lru if z != zone and dev.zone(z).is_open), None)
+                if victim is None:
+                    break
+                self.open_lru.pop(victim)
+                dev.close(victim)
+        self.open_lru[zone] = None
+
+    def _place(self, size: int, hint: H.Hint, allow_reserve: bool = False):
+        """Ask the allocator for a zone; run GC when only the reserve is left (io_lock held)."""
+        for attempt in range(64):
+            with self.lock:
+                try:
+                    zone, nbytes, finish = self.alloc.place(size, hint.reclaim, hint.birth, self.now,
+                                                            hint.stream, 0,
+                                                            allow_reserve=allow_reserve)
+                except NoSpace:
+                    zone = None
+            if zone is not None:
+                for z in finish:
+                    self._finish_zone(z)
+                return zone, nbytes
+            if not self._gc_once():
+                if self.opts.common_admission and not allow_reserve:
+                    allow_reserve = True
+                    continue
+                with self.lock:
+                    self.stats["enospc"] += 1
+                raise FsError(errno.ENOSPC, "no zone can take the data, even after GC")
+        raise FsError(errno.ENOSPC)
+
+    def _finish_zone(self, z: int) -> None:
+        if self.dev.zone(z).cond != ZoneCond.FULL:
+            self.dev.finish(z)
+        self.open_lru.pop(z, None)
+        with self.lock:
+            self.alloc.note_finish(z)
+            self.stats["zone_finishes"] += 1
+            self._do(J.ZONE_FINISH, J.pack_zone(z))
+
+    def _write_chunk(self, ino: int, off: int, data: memoryview, hint: H.Hint,
+                     allow_reserve: bool = False) -> None:
+        """Place and write ``data`` (file offset ``off``), possibly across zones (io_lock held)."""
+        bs = self.bs
+        pos = 0
+        total = len(data)
+        while pos < total:
+            remaining = total - pos
+            padded = -(-remaining // bs) * bs
+            zone, nbytes = self._place(padded, hint, allow_reserve)
+            payload = min(nbytes, remaining)
+            chunk = data[pos:pos + payload]
+            if nbytes > payload:
+                chunk = bytes(chunk) + bytes(nbytes - payload)
+            self._ensure_open_slot(zone)
+            zoff = self.dev.zone(zone).wp
+            self.dev.write(zone, zoff, chunk)
+            with self.lock:
+                inode = self.inodes.get(ino)
+                self.alloc.note_write(zone, payload, hint.reclaim, True)
+                if nbytes > payload:
+                    self.alloc.note_write(zone, nbytes - payload, hint.reclaim, False)
+                self.stats["payload_bytes"] += payload
+                self.stats["pad_bytes"] += nbytes - payload
+                if inode is None:      # deleted while we wrote: the bytes are dead already
+                    self._dead([(zone, payload, hint.reclaim)])
+                else:
+                    dead = self._do(J.EXTENT, J.pack_extent(ino, off + pos, zone, zoff, payload,
+                                                            hint.reclaim))
+                    self._dead(dead)
+            pos += payload
+
+    def _flush_data(self, ino: int, final: bool) -> None:
+        """Move buffered bytes of a file to zones (whole blocks unless ``final``)."""
+        with self.io_lock:
+            with self.lock:
+                inode = self.inodes.get(ino)
+                if inode is None or not inode.wbuf:
+                    return
+                n = len(inode.wbuf)
+                if not final:
+                    n -= n % self.bs
+                    if n == 0:
+                        return
+                data = memoryview(bytes(inode.wbuf[:n]))
+                off = inode.wbuf_off
+                if inode.hint is None:
+                    inode.hint = self._resolve_hint(inode)
+                    if inode.hint.birth > self.now:
+                        self.now = inode.hint.birth
+                hint = inode.hint
+            try:
+                self._write_chunk(ino, off, data, hint)
+            except FsError:
+                with self.lock:      # drop the uncommittable bytes; committed data stay intact
+                    inode = self.inodes.get(ino)
+                    if inode is not None:
+                        inode.wbuf = bytearray()
+                        inode.size = max((e.end for e in inode.extents), default=0)
+                raise
+            with self.lock:
+                inode = self.inodes.get(ino)
+                if inode is not None and inode.wbuf_off == off:
+                    del inode.wbuf[:n]
+                    inode.wbuf_off = off + n
+            self._maybe_flush_journal()
+        self._reset_empty_zones()
+
+    def _maybe_flush_journal(self) -> None:
+        if self._want_journal_flush:
+            self._want_journal_flush = False
+            self._journal_flush(sync=False)
+
+    def _journal_flush(self, sync: bool) -> None:
+        """Write queued records (io_lock held)."""
+        with self.lock:
+            if not self.journal.has_pending() and not sync:
+                return
+            self._ensure_open_slot(self.journal.active)
+            self.journal.flush(sync=sync)
+            self.open_lru.pop(self.journal.active, None)
+
+    def commit(self, ino: int, durable: bool) -> None:
+        """close(2) (durable=False) or fsync (durable=True): data + extents + attributes out."""
+        t0 = time.perf_counter()
+        self._flush_data(ino, final=True)
+        policy_error = None
+        with self.io_lock:
+            with self.lock:
+                inode = self.inodes.get(ino)
+                if inode is not None and inode.dirty:
+                    inode.dirty = False
+                    self._save_inode(inode)
+                    self.stats["commits"] += 1
+                    if inode.name == H.POLICY_NAME and inode.parent in self.inodes:
+                        try:
+                            self._load_policy(inode.parent)
+                        except H.HintError as e:
+                            policy_error = e
+            self._journal_flush(sync=durable)
+        self.commit_ms.append((time.perf_counter() - t0) * 1000.0)
+        if len(self.commit_ms) > 100000:
+            del self.commit_ms[:50000]
+        if policy_error is not None:
+            raise FsError(errno.EINVAL, str(policy_error))
+
+    def release(self, ino: int) -> None:
+        """Last close of an open file: commit; free it if it was unlinked meanwhile."""
+        try:
+            self.commit(ino, durable=False)
+        finally:
+            with self.lock:
+                inode = self.inodes.get(ino)
+                if inode is not None:
+                    inode.opens = max(0, inode.opens - 1)
+                    if inode.nlink == 0 and inode.opens == 0:
+                        self._free_inode(inode, journal=True)
+            self._reset_empty_zones()
+
+    def sync(self) -> None:
+        """Everything queued becomes durable (periodic flush, syncfs, unmount)."""
+        with self.io_lock:
+            self._journal_flush(sync=True)
+
+    # ------------------------------------------------------------------ reclaim
+    def _reset_empty_zones(self) -> None:
+        """Reset zones whose data are all dead — after the deletion is durable in the journal."""
+        if not self._pending_resets:
+            return
+        with self.io_lock:
+            with self.lock:
+                zones = [z for z in self._pending_resets
+                         if self.alloc.summary(z)["L"] <= 0 and self.alloc.summary(z)["W"] > 0]
+                self._pending_resets = set()
+            if not zones:
+                return
+            self._journal_flush(sync=True)
+            with self._readers_cv:
+                while self._readers:
+                    self._readers_cv.wait()
+                for z in zones:
+                    self.dev.reset(z)
+                    self.open_lru.pop(z, None)
+            with self.lock:
+                for z in zones:
+                    self.alloc.note_reset(z)
+                    self.stats["zone_resets"] += 1
+
+    def _gc_once(self) -> bool:
+        """Copy the live data out of the best victim zone and reset it (io_lock held)."""
+        with self.lock:
+            victims = [z for z in self.alloc.victims(8) if self.alloc.summary(z)["L"] < self.cap]
+        for victim in victims:
+            with self.lock:
+                moves = [(i.ino, e.off, e.length, e.zoff, e.hint, i.hint or H.UNHINTED)
+                         for i in self.inodes.values() for e in i.extents.in_zone(victim)]
+                live = sum(m[2] for m in moves)
+                if live >= self.cap:
+                    continue
+                self.stats["gc_runs"] += 1
+            ok = True
+            for ino, off, length, zoff, hint, ih in moves:
+                data = self.dev.read(victim, zoff, length)
+                try:
+                    self._relocate(ino, off, length, victim, zoff, data, hint, ih)
+                except FsError:
+                    ok = False
+                    break
+            if not ok:
+                continue
+            self._journal_flush(sync=True)
+            with self.lock:
+                if self.alloc.summary(victim)["L"] > 0:
+                    continue
+            with self._readers_cv:
+                while self._readers:
+                    self._readers_cv.wait()
+                self.dev.reset(victim)
+            self.open_lru.pop(victim, None)
+            with self.lock:
+                self.alloc.note_reset(victim)
+                self.stats["zone_resets"] += 1
+            return True
+        return False
+
+    def _relocate(self, ino, off, length, victim, vzoff, data, hint, ih: H.Hint) -> None:
+        bs = self.bs
+        pos = 0
+        h = H.Hint(ih.birth, hint, ih.stream, "gc")
+        while pos < length:
+            remaining = length - pos
+            padded = -(-remaining // bs) * bs
+            with self.lock:
+                try:
+                    zone, nbytes, finish = self.alloc.place(padded, hint, h.birth, self.now,
+                                                            h.stream, 0, allow_reserve=True,
+                                                            exclude=[victim])
+                except NoSpace:
+                    raise FsError(errno.ENOSPC) from None
+            if zone == victim:
+                raise FsError(errno.ENOSPC)
+            for z in finish:
+                self._finish_zone(z)
+            payload = min(nbytes, remaining)
+            chunk = data[pos:pos + payload]
+            if nbytes > payload:
+                chunk = bytes(chunk) + bytes(nbytes - payload)
+            self._ensure_open_slot(zone)
+            zoff = self.dev.zone(zone).wp
+            self.dev.write(zone, zoff, chunk)
+            with self.lock:
+                self.alloc.note_write(zone, payload, h.reclaim, True)
+                if nbytes > payload:
+                    self.alloc.note_write(zone, nbytes - payload, h.reclaim, False)
+                self.stats["gc_copied_bytes"] += nbytes
+                if self._do(J.RELOCATE, J.pack_relocate(ino, off + pos, payload, victim,
+                                                        vzoff + pos, zone, zoff)):
+                    self.alloc.note_dead(victim, payload, hint)
+                else:
+                    self._dead([(zone, payload, hint)])
+            pos += payload
+
+    # ------------------------------------------------------------------ observability
+    def statfs(self) -> dict:
+        with self.lock:
+            free = 0
+            data_zones = self.dev.nr_zones - self.meta_zones
+            for z in range(self.meta_zones, self.dev.nr_zones):
+                s = self.alloc.summary(z)
+                if s["cond"] == "empty":
+                    free += self.cap
+                elif s["cond"] == "active":
+                    free += self.cap - s["W"]
+            free = max(0, free - self.opts.gc_reserve * self.cap)
+            return {"bsize": self.bs, "blocks": data_zones * self.cap // self.bs,
+                    "bfree": free // self.bs, "files": len(self.inodes),
+                    "ffree": max(0, (1 << 32) - self.next_ino)}
+
+    def status(self) -> dict:
+        with self.lock:
+            conds: dict[str, int] = {}
+            live = invalid = tail = free = 0
+            for z in range(self.dev.nr_zones):
+                c = self.dev.zone(z).cond.name.lower()
+                conds[c] = conds.get(c, 0) + 1
+            for z in range(self.meta_zones, self.dev.nr_zones):
+                s = self.alloc.summary(z)
+                if s["cond"] == "empty":
+                    free += self.cap
+                    continue
+                live += s["L"]
+                invalid += s["W"] - s["L"]
+                tail += self.cap - s["W"]
+                if s["cond"] == "active":
+                    free += self.cap - s["W"]
+            st = self.stats
+            logical = st["payload_bytes"]
+            cm = sorted(self.commit_ms)
+            p99 = cm[min(len(cm) - 1, int(math.ceil(0.99 * len(cm))) - 1)] if cm else 0.0
+            a = self.alloc.stats()
+            return {
+                "allocator": self.opts.allocator,
+                "uuid": self.sb.get("uuid"),
+                "zone_size": self.dev.zone_size, "zone_capacity": self.cap,
+                "nr_zones": self.dev.nr_zones, "meta_zones": self.meta_zones,
+                "max_open": self.dev.max_open, "max_active": self.dev.max_active,
+                "zones": conds,
+                "empty_data_zones": self.alloc.empty_zones(),
+                "live_bytes": live, "invalid_bytes": invalid, "tail_bytes": tail,
+                "free_bytes": free,
+                "reserved_overhead_zones": (invalid + tail) / self.cap,
+                "invalid_zones": invalid / self.cap, "tail_zones": tail / self.cap,
+                "zone_resets": st["zone_resets"], "zone_finishes": st["zone_finishes"],
+                "host_wa": ((logical + st["pad_bytes"] + st["gc_copied_bytes"]) / logical)
+                if logical else 1.0,
+                "logical_bytes": logical, "pad_bytes": st["pad_bytes"],
+                "gc_copied_bytes": st["gc_copied_bytes"],
+                "journal_bytes": self.journal.bytes_written,
+                "journal_rolls": self.journal.rolls,
+                "commits": st["commits"], "p99_commit_ms": round(p99, 3),
+                "mean_alloc_us": (a["ns"] / a["places"] / 1000.0) if a.get("places") else 0.0,
+                "capacity_stop": st["enospc"] > 0, "enospc": st["enospc"],
+                "files": sum(1 for i in self.inodes.values() if i.is_reg),
+                "policy_errors": {self.path_of(k): v for k, v in self.policy_errors.items()},
+                "journal_truncated": self.journal_truncated,
+            }
+
+    def zone_table(self) -> list[dict]:
+        with self.lock:
+            out = []
+            for z in range(self.dev.nr_zones):
+                zi = self.dev.zone(z)
+                row = {"zone": z, "cond": zi.cond.name, "wp": zi.wp,
+                       "kind": "meta" if z < self.meta_zones else "data"}
+                if z >= self.meta_zones:
+                    s = self.alloc.summary(z)
+                    row.update(written=s["W"], live=s["L"], reclaim=_fmt_hint(
+                        self.alloc.zone_reclaim_epoch(z)) if s["W"] else None)
+                out.append(row)
+            return out
+
+    def check(self) -> list[str]:
+        """Consistency check (fsck): per-zone live bytes from the allocator == extent map."""
+        problems = []
+        with self.lock:
+            per_zone: dict[int, int] = {}
+            for i in self.inodes.values():
+                for z, n in i.extents.live_by_zone().items():
+                    per_zone[z] = per_zone.get(z, 0) + n
+                for e in i.extents:
+                    if e.zoff + e.length > self.cap:
+                        problems.append(f"inode {i.ino}: extent {e!r} beyond zone capacity")
+                if i.is_dir:
+                    for name, child in i.entries.items():
+                        if child not in self.inodes:
+                            problems.append(f"dir {i.ino}: entry {name!r} -> missing inode {child}")
+            for z in range(self.meta_zones, self.dev.nr_zones):
+                s = self.alloc.summary(z)
+                if s["L"] != per_zone.get(z, 0):
+                    problems.append(f"zone {z}: summary live {s['L']} != extent map {per_zone.get(z, 0)}")
+                if self.dev.zone(z).cond != ZoneCond.FULL and s["W"] != self.dev.zone(z).wp:
+                    problems.append(f"zone {z}: summary written {s['W']} != wp {self.dev.zone(z).wp}")
+        return problems
+
+    def close(self) -> None:
+        """Unmount: commit every buffered file, flush the journal, release the device."""
+        for ino in [i.ino for i in self.inodes.values() if i.wbuf]:
+            try:
+                self.commit(ino, durable=False)
+            except OSError as e:
+                log.error("unmount: could not commit inode %d: %s", ino, e)
+        self.sync()
+        self.dev.flush()
+
+
+def _fmt_hint(h: float):
+    return "inf" if math.isinf(h) else h
