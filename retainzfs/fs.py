@@ -269,7 +269,7 @@ async def serve(store: Store, sync_interval: float = 1.0, ready=None) -> None:
         if ready is not None:
             ready()
         try:
-            await pyfuse3.main(workers=8)
+            await pyfuse3.main(min_tasks=4, max_tasks=32)
         finally:
             nursery.cancel_scope.cancel()
 

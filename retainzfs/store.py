@@ -121,6 +121,7 @@ class StoreOptions:
     flush_bytes: int = FLUSH_BYTES
     common_admission: bool = False
     fullscan: bool = False
+    readonly: bool = False        # status/fsck of an unmounted target: never write repairs
 
 
 class Store:
@@ -206,7 +207,10 @@ class Store:
             zone = self.dev.zone(z)
             exts = live.get(z, [])
             if not exts:
-                if zone.wp or zone.cond != ZoneCond.EMPTY:
+                if (zone.wp or zone.cond != ZoneCond.EMPTY) and self.opts.readonly:
+                    self.alloc.note_write(z, zone.capacity if zone.cond == ZoneCond.FULL
+                                          else zone.wp, INF, False)
+                elif zone.wp or zone.cond != ZoneCond.EMPTY:
                     self.dev.reset(z)        # nothing live: garbage of an interrupted write
                     repaired.append(z)
                 continue
@@ -221,10 +225,12 @@ class Store:
                 self.alloc.note_write(z, written - lsum, INF, False)
             if zone.cond == ZoneCond.FULL:
                 self.alloc.note_finish(z)
-            elif zone.cond in (ZoneCond.IMP_OPEN, ZoneCond.EXP_OPEN):
+            elif zone.cond in (ZoneCond.IMP_OPEN, ZoneCond.EXP_OPEN) and not self.opts.readonly:
                 self.dev.close(z)            # start with every data zone closed
         if repaired:
             log.info("recovery: reset %d zones with no live data", len(repaired))
+        if self.opts.readonly:
+            return
         # orphans: unlinked files that were open when the daemon died
         for ino in [i for i in self.inodes.values() if i.nlink == 0]:
             self._free_inode(ino, journal=True)

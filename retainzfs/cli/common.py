@@ -1,0 +1,44 @@
+"""Shared CLI helpers: size parsing, one-line errors, locating a mount."""
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'4M', '1G', '4096', '1.5G', '4MiB' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGTB]?)(?:i?B)?\s*", str(text), re.I)
+    if not m:
+        raise ValueError(f"bad size {text!r} (use e.g. 4M, 1G, 4096)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def die(msg: str, code: int = 1) -> "NoReturn":  # noqa: F821
+    print(f"{os.path.basename(sys.argv[0]) or 'retainzfs'}: {msg}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def find_mount_of(target: str) -> str | None:
+    """Mountpoint of a mounted retainzfs whose source is ``target`` (from /proc/mounts)."""
+    real = os.path.realpath(target)
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                src, mnt, fstype = line.split()[:3]
+                if fstype == "fuse.retainzfs" and os.path.realpath(src.replace("\\040", " ")) == real:
+                    return mnt.replace("\\040", " ")
+    except OSError:
+        pass
+    return None
+
+
+def is_retainzfs_mount(path: str) -> bool:
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/mounts") as f:
+            return any(line.split()[1] == real and line.split()[2] == "fuse.retainzfs" for line in f)
+    except OSError:
+        return False

@@ -1,0 +1,167 @@
+"""retainzfs: status, fsck, hints, gen-workload, replay, sweep."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+from .common import die, find_mount_of, is_retainzfs_mount
+
+STATUS_XATTR = "user.retainz.status"
+
+
+def _status_from_mount(mnt: str) -> dict:
+    try:
+        return json.loads(os.getxattr(mnt, STATUS_XATTR))
+    except OSError as e:
+        die(f"{mnt}: cannot read status from the mount: {e.strerror}")
+
+
+def _open_offline(target: str):
+    """Open an unmounted target read-only (no repairs written)."""
+    from .. import _journal as J
+    from ..device import DeviceError, open_device
+    from ..store import Store, StoreOptions
+    try:
+        dev = open_device(target)
+    except DeviceError as e:
+        die(str(e))
+    sb = J.probe_superblock(dev)
+    if sb is None:
+        dev.close()
+        die(f"{target}: not a retainzfs filesystem (run mkfs.retainzfs first)")
+    try:
+        store = Store(dev, StoreOptions(allocator=sb.get("allocator", "retainz"),
+                                        gc_reserve=sb.get("gc_reserve", 1), readonly=True))
+    except (J.JournalError, OSError) as e:
+        dev.close()
+        die(f"{target}: {e}")
+    return dev, store
+
+
+def get_status(path: str) -> dict:
+    if os.path.isdir(path):
+        if not is_retainzfs_mount(path):
+            die(f"{path} is not a retainzfs mountpoint")
+        return _status_from_mount(path)
+    mnt = find_mount_of(path)
+    if mnt:
+        return _status_from_mount(mnt)
+    if not os.path.exists(path):
+        die(f"{path}: no such mountpoint, device or image")
+    dev, store = _open_offline(path)
+    try:
+        return store.status()
+    finally:
+        dev.close()
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def print_status(st: dict, path: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"retainzfs {path}", show_header=False)
+    t.add_column("metric", style="bold")
+    t.add_column("value")
+    t.add_row("allocator", str(st["allocator"]))
+    t.add_row("zones", f"{st['nr_zones']} x {_human(st['zone_size'])} "
+                       f"(capacity {_human(st['zone_capacity'])}), {st['meta_zones']} metadata")
+    t.add_row("limits", f"max_open={st['max_open'] or '-'} max_active={st['max_active'] or '-'}")
+    t.add_row("by condition", ", ".join(f"{k}={v}" for k, v in sorted(st["zones"].items())))
+    t.add_row("live", _human(st["live_bytes"]))
+    t.add_row("invalid (deleted, not reset)", f"{_human(st['invalid_bytes'])} "
+                                              f"({st['invalid_zones']:.2f} zones)")
+    t.add_row("tail (unused in open zones)", f"{_human(st['tail_bytes'])} ({st['tail_zones']:.2f} zones)")
+    t.add_row("reserved overhead", f"{st['reserved_overhead_zones']:.2f} zones")
+    t.add_row("free", _human(st["free_bytes"]))
+    t.add_row("zone resets", str(st["zone_resets"]))
+    t.add_row("host WA", f"{st['host_wa']:.4f} (GC copied {_human(st['gc_copied_bytes'])})")
+    t.add_row("journal", _human(st["journal_bytes"]))
+    t.add_row("p99 commit", f"{st['p99_commit_ms']:.2f} ms over {st['commits']} commits")
+    t.add_row("mean placement", f"{st['mean_alloc_us']:.2f} us")
+    if st.get("capacity_stop"):
+        t.add_row("capacity stop", f"yes ({st.get('enospc', 0)} ENOSPC)", style="red")
+    for p, err in (st.get("policy_errors") or {}).items():
+        t.add_row("policy error", f"{p}: {err}", style="red")
+    Console().print(t)
+
+
+def cmd_status(args) -> int:
+    st = get_status(args.path)
+    if args.json:
+        print(json.dumps(st, indent=2, default=lambda x: "inf" if x == math.inf else str(x)))
+    else:
+        print_status(st, args.path)
+    return 0
+
+
+def cmd_fsck(args) -> int:
+    if find_mount_of(args.target):
+        die(f"{args.target} is mounted; unmount it before fsck")
+    dev, store = _open_offline(args.target)
+    try:
+        problems = store.check()
+        st = store.status()
+    finally:
+        dev.close()
+    for p in problems:
+        print(p)
+    print(f"{args.target}: {st['files']} files, {len(problems)} problems, "
+          f"journal {'truncated at a corrupt record' if st['journal_truncated'] else 'clean'}")
+    return 1 if problems else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="retainzfs", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("status", help="zone usage, overhead, WA of a mount or an unmounted target")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("path", help="mountpoint, or device/image")
+    s.set_defaults(func=cmd_status)
+    f = sub.add_parser("fsck", help="check an unmounted filesystem")
+    f.add_argument("target")
+    f.set_defaults(func=cmd_fsck)
+    try:
+        from .hints_cmd import add_hints_args, run_hints
+        h = sub.add_parser("hints", help="per generation: birth, hint and zones")
+        add_hints_args(h)
+        h.set_defaults(func=run_hints)
+    except ImportError:
+        pass
+    from ..workload import add_gen_workload_args, run_gen_workload
+    g = sub.add_parser("gen-workload", help="synthetic pressure trace (the paper's inputs)")
+    add_gen_workload_args(g)
+    g.set_defaults(func=run_gen_workload)
+    try:
+        from ..replay import add_replay_args, run_replay
+        r = sub.add_parser("replay", help="replay a trace through the store on an emulated device")
+        add_replay_args(r)
+        r.set_defaults(func=run_replay)
+    except ImportError:
+        pass
+    try:
+        from ..sweep import add_sweep_args, run_sweep
+        w = sub.add_parser("sweep", help="pressure sweep: loads x seeds x policies, table + figures")
+        add_sweep_args(w)
+        w.set_defaults(func=run_sweep)
+    except ImportError:
+        pass
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""mkfs.retainzfs: format a zoned block device or create + format an emulated zoned image."""
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+import sys
+
+from .. import _journal as J
+from ..device import DeviceError, create_image, open_device
+from ..store import DEFAULT_META_ZONES, FsError, Store
+from .common import die, find_mount_of, parse_size
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mkfs.retainzfs", description=__doc__)
+    p.add_argument("target", help="zoned block device (/dev/nvme0n1) or image file")
+    p.add_argument("--size", help="create an emulated zoned image of this size (e.g. 1G)")
+    p.add_argument("--zone-size", default="4M", help="zone size for a new image (power of two)")
+    p.add_argument("--zone-capacity", help="zone capacity (<= zone size) for a new image")
+    p.add_argument("--max-open", type=int, default=0, help="open-zone limit of a new image (0 = none)")
+    p.add_argument("--max-active", type=int, default=0, help="active-zone limit of a new image (0 = none)")
+    p.add_argument("--block-size", default="4096", help="logical block size of a new image")
+    p.add_argument("--meta-zones", type=int, default=DEFAULT_META_ZONES, help="metadata zones (>= 2)")
+    p.add_argument("--allocator", default="retainz", help="default placement policy")
+    p.add_argument("--gc-reserve", type=int, default=1, help="empty zones kept for GC")
+    p.add_argument("--force", "-f", action="store_true", help="overwrite an existing filesystem/image")
+    p.add_argument("--quiet", "-q", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .._alloc import POLICIES
+    if args.allocator not in POLICIES:
+        die(f"unknown allocator {args.allocator!r}; one of {', '.join(POLICIES)}")
+    if args.meta_zones < 2:
+        die("--meta-zones must be at least 2")
+    if args.meta_zones != DEFAULT_META_ZONES:
+        die(f"this version supports --meta-zones {DEFAULT_META_ZONES} only")
+    mnt = find_mount_of(args.target)
+    if mnt:
+        die(f"{args.target} is mounted at {mnt}; unmount it first")
+    try:
+        if args.size:
+            if os.path.exists(args.target) and stat.S_ISBLK(os.stat(args.target).st_mode):
+                die("--size creates an image file; it cannot be used with a block device")
+            dev = create_image(args.target, parse_size(args.size), parse_size(args.zone_size),
+                               parse_size(args.zone_capacity) if args.zone_capacity else None,
+                               args.max_open, args.max_active, parse_size(args.block_size),
+                               force=args.force)
+        else:
+            if not os.path.exists(args.target):
+                die(f"{args.target}: no such device or image (use --size to create an image)")
+            dev = open_device(args.target)
+            if J.probe_superblock(dev, args.meta_zones) is not None and not args.force:
+                dev.close()
+                die(f"{args.target} already holds a retainzfs filesystem; use --force to overwrite")
+    except DeviceError as e:
+        die(str(e))
+    except ValueError as e:
+        die(str(e))
+    try:
+        sb = Store.format(dev, meta_zones=args.meta_zones, allocator=args.allocator,
+                          gc_reserve=args.gc_reserve)
+    except (FsError, OSError) as e:
+        die(f"{args.target}: {e.strerror if isinstance(e, OSError) and e.strerror else e}")
+    finally:
+        dev.close()
+    if not args.quiet:
+        print(f"retainzfs on {args.target}: {sb['nr_zones']} zones of {sb['zone_size'] >> 20} MiB "
+              f"(capacity {sb['zone_capacity'] >> 20} MiB), {sb['meta_zones']} metadata zones, "
+              f"max_open={dev.max_open} max_active={dev.max_active}, allocator={sb['allocator']}, "
+              f"uuid {sb['uuid']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

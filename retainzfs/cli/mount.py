@@ -1,0 +1,262 @@
+"""mount.retainzfs TARGET MOUNTPOINT [-o opt,...] [-f]: serve a retainzfs filesystem over FUSE.
+
+Without -f the command forks a daemon and returns once the mount is visible (or prints the
+daemon's one-line error and exits non-zero), like mount(8) helpers do.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from .common import die, is_retainzfs_mount
+
+#: mount(8)/fstab options that mean nothing to us and are dropped silently
+IGNORED = {"rw", "defaults", "auto", "noauto", "user", "nouser", "users", "nofail", "_netdev",
+           "exec", "noexec", "suid", "nosuid", "dev", "nodev", "async", "atime", "noatime",
+           "relatime", "strictatime", "nodiratime", "diratime", "owner", "group", "comment"}
+FUSE_PASSTHROUGH = {"allow_other", "allow_root"}
+
+
+def parse_options(opts: list[str]) -> tuple[dict, list[str]]:
+    """-o values -> (retainzfs options, extra FUSE options)."""
+    ours: dict = {}
+    fuse: list[str] = []
+    for group in opts:
+        for o in filter(None, group.split(",")):
+            key, _, val = o.partition("=")
+            if key in IGNORED or key.startswith("x-") or key.startswith("comment="):
+                continue
+            if key in FUSE_PASSTHROUGH:
+                fuse.append(key)
+            elif key == "allocator":
+                ours["allocator"] = val
+            elif key in ("lambda", "lam"):
+                ours["lam"] = float(val)
+            elif key == "hint_grid":
+                ours["hint_grid"] = int(val)
+            elif key == "gc_reserve":
+                ours["gc_reserve"] = int(val)
+            elif key == "common_admission":
+                ours["common_admission"] = val.lower() not in ("0", "no", "false", "off")
+            elif key == "log":
+                ours["log"] = val
+            elif key == "debug":
+                ours["debug"] = True
+            elif key == "sync_interval":
+                ours["sync_interval"] = float(val)
+            elif key == "flush_bytes":
+                from .common import parse_size
+                ours["flush_bytes"] = parse_size(val)
+            else:
+                raise ValueError(f"unknown mount option {o!r}")
+    return ours, fuse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mount.retainzfs", description=__doc__)
+    p.add_argument("target", help="zoned block device or emulated zoned image")
+    p.add_argument("mountpoint")
+    p.add_argument("-o", dest="options", action="append", default=[],
+                   help="allocator=NAME,lambda=X,hint_grid=G,gc_reserve=N,common_admission,"
+                        "log=PATH,debug,allow_other,sync_interval=S")
+    p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
+    # flags mount(8) passes to helpers
+    p.add_argument("-n", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("-s", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("-v", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def _check_mountpoint(mnt: str) -> None:
+    try:
+        st = os.stat(mnt)
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:     # a daemon died (kill -9): clear the stale mount
+            subprocess.run(["fusermount3", "-u", "-z", mnt], check=False,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            print(f"mount.retainzfs: cleared stale mount at {mnt}", file=sys.stderr)
+            st = os.stat(mnt)
+        elif e.errno == errno.ENOENT:
+            die(f"mountpoint {mnt} does not exist")
+        else:
+            die(f"mountpoint {mnt}: {e.strerror}")
+    import stat as _stat
+    if not _stat.S_ISDIR(st.st_mode):
+        die(f"mountpoint {mnt} is not a directory")
+    if os.path.ismount(mnt):
+        what = "a retainzfs filesystem" if is_retainzfs_mount(mnt) else "another filesystem"
+        die(f"mountpoint {mnt} is in use ({what} is mounted there)")
+
+
+def _open_store(target: str, ours: dict):
+    """Open device + store; retries briefly while a previous daemon is still exiting."""
+    from .. import _journal as J
+    from .._alloc import POLICIES
+    from ..device import DeviceError, open_device
+    from ..store import Store, StoreOptions
+
+    if not os.path.exists(target):
+        raise DeviceError(f"{target}: no such device or image")
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            dev = open_device(target)
+            break
+        except DeviceError as e:
+            if "in use" in str(e) and time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            raise
+    try:
+        sb = J.probe_superblock(dev)
+        if sb is None:
+            raise DeviceError(f"{target}: not a retainzfs filesystem (run mkfs.retainzfs first)")
+        alloc = ours.get("allocator", sb.get("allocator", "retainz"))
+        if alloc not in POLICIES:
+            raise DeviceError(f"unknown allocator {alloc!r}; one of {', '.join(POLICIES)}")
+        opts = StoreOptions(allocator=alloc, lam=ours.get("lam", 1.0),
+                            hint_grid=ours.get("hint_grid", 0),
+                            gc_reserve=ours.get("gc_reserve", sb.get("gc_reserve", 1)),
+                            common_admission=ours.get("common_admission", False))
+        if "flush_bytes" in ours:
+            opts.flush_bytes = ours["flush_bytes"]
+        try:
+            store = Store(dev, opts)
+        except J.JournalError as e:
+            raise DeviceError(f"{target}: {e}") from None
+    except BaseException:
+        dev.close()
+        raise
+    return dev, store
+
+
+def _default_log(mnt: str) -> str:
+    base = "/var/log/retainzfs"
+    try:
+        os.makedirs(base, exist_ok=True)
+    except OSError:
+        base = "/tmp"
+    name = os.path.realpath(mnt).strip("/").replace("/", "-") or "root"
+    return os.path.join(base, f"{name}.log")
+
+
+def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: int | None) -> int:
+    """Open, mount, serve until unmounted; report readiness (or the error) on notify_fd."""
+    import pyfuse3
+    import trio
+
+    from ..device import DeviceError
+    from ..fs import RetainzOperations, fuse_options, serve as fs_serve
+
+    def notify(msg: str) -> None:
+        if notify_fd is not None:
+            os.write(notify_fd, msg.encode() + b"\n")
+            os.close(notify_fd)
+
+    log = logging.getLogger("retainzfs")
+    try:
+        dev, store = _open_store(target, ours)
+    except DeviceError as e:
+        notify(f"ERR {e}")
+        if notify_fd is None:
+            die(str(e))
+        return 1
+    except Exception as e:      # unexpected: still one line for the user, details in the log
+        log.exception("mount failed")
+        notify(f"ERR {target}: {e}")
+        if notify_fd is None:
+            die(f"{target}: {e}")
+        return 1
+    ops = RetainzOperations(store)
+    try:
+        pyfuse3.init(ops, mnt, fuse_options(os.path.realpath(target), fuse_extra))
+    except Exception as e:
+        store.close()
+        dev.close()
+        notify(f"ERR cannot mount on {mnt}: {e}")
+        if notify_fd is None:
+            die(f"cannot mount on {mnt}: {e}")
+        return 1
+    log.info("mounted %s on %s (allocator=%s)", target, mnt, store.opts.allocator)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            async def on_signal():
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
+                    async for _ in sigs:
+                        log.info("signal: unmounting")
+                        pyfuse3.terminate()
+                        return
+            nursery.start_soon(on_signal)
+            await fs_serve(store, ours.get("sync_interval", 1.0), ready=lambda: notify("OK"))
+            nursery.cancel_scope.cancel()
+
+    rc = 0
+    try:
+        trio.run(main)
+    except Exception:
+        log.exception("FUSE loop failed")
+        rc = 1
+    finally:
+        try:
+            pyfuse3.close(unmount=True)
+        except Exception:
+            pass
+        try:
+            store.close()
+        except Exception:
+            log.exception("closing store")
+            rc = 1
+        dev.close()
+        log.info("unmounted %s", mnt)
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        ours, fuse_extra = parse_options(args.options)
+    except ValueError as e:
+        die(str(e))
+    target, mnt = args.target, args.mountpoint
+    _check_mountpoint(mnt)
+    level = logging.DEBUG if ours.get("debug") else logging.INFO
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    if args.foreground:
+        logging.basicConfig(level=level, format=fmt)
+        return serve(target, mnt, ours, fuse_extra, None)
+
+    logfile = ours.get("log") or _default_log(mnt)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                  # daemon
+        os.close(r)
+        os.setsid()
+        fd = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        logging.basicConfig(level=level, format=fmt, stream=sys.stderr)
+        code = 1
+        try:
+            code = serve(target, mnt, ours, fuse_extra, w)
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        msg = f.readline().strip()
+    if msg == "OK":
+        return 0
+    die(msg[4:] if msg.startswith("ERR ") else f"daemon exited before mounting (see {logfile})")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
