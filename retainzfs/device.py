@@ -250,6 +250,8 @@ class ZonedDevice(ABC):
         t = type(data)
         if t is bytes or t is bytearray:
             n = len(data)
+        elif t is list or t is tuple:       # scatter list: written with one pwritev, no join
+            n = sum(len(c) if type(c) is bytes else memoryview(c).nbytes for c in data)
         else:                               # memoryview, array, numpy ...: count bytes
             n = data.nbytes if t is memoryview else memoryview(data).nbytes
         with self._lock:
@@ -542,6 +544,11 @@ class ImageZonedDevice(ZonedDevice):
 
     def _io_write(self, zone: int, wp: int, data: Buffer, n: int) -> None:
         off = self._data_off + (zone << self._zshift) + wp
+        if type(data) is list or type(data) is tuple:
+            done = os.pwritev(self._fd, data, off)
+            if done == n:
+                return
+            data = b"".join(data)           # short vectored write (rare): finish it flat
         done = os.pwrite(self._fd, data, off)
         if done != n:                       # short write (rare): finish it, or raise
             mv = memoryview(data).cast("B")
@@ -938,6 +945,8 @@ class BlockZonedDevice(ZonedDevice):
     # -- hooks -------------------------------------------------------------------------
 
     def _io_write(self, zone: int, wp: int, data: Buffer, n: int) -> None:
+        if type(data) is list or type(data) is tuple:
+            data = b"".join(data)           # O_DIRECT copies into the bounce buffer anyway
         src = data if type(data) is memoryview and data.format == "B" else memoryview(data).cast("B")
         buf = self._wbufmv
         off = (zone << self._zshift) + wp

@@ -33,6 +33,7 @@ from . import hints as H
 from ._alloc import Allocator, NoSpace
 from .device import ZoneCond, ZonedDevice
 from .extents import ExtentMap
+from .writebuf import Chunks, WriteBuffer
 
 log = logging.getLogger("retainzfs")
 
@@ -78,8 +79,7 @@ class Inode:
     # run-time only
     opens: int = 0
     lookups: int = 0
-    wbuf: bytearray = field(default_factory=bytearray)
-    wbuf_off: int = 0
+    wbuf: WriteBuffer = field(default_factory=WriteBuffer)
     dirty: bool = False
 
     @property
@@ -477,7 +477,7 @@ class Store:
         self._save_inode(inode)
 
     def _free_inode(self, inode: Inode, journal: bool) -> None:
-        inode.wbuf = bytearray()
+        inode.wbuf.clear()
         if inode.is_dir:
             self.policies.pop(inode.ino, None)
         dead = self._do(J.INODE_DEL, J.pack_json({"i": inode.ino}))
@@ -712,8 +712,8 @@ class Store:
         for dst, zone, zoff, length in inode.extents.lookup(0, inode.size):
             out[dst:dst + length] = self.dev.read(zone, zoff, length)
         if inode.wbuf:
-            o = inode.wbuf_off
-            out[o:o + len(inode.wbuf)] = inode.wbuf
+            o = inode.wbuf.off
+            out[o:o + len(inode.wbuf)] = inode.wbuf.slice(o, inode.wbuf.end)
         return bytes(out[:inode.size])
 
     def path_of(self, ino: int) -> str:
@@ -779,13 +779,7 @@ class Store:
             with self.lock:
                 inode = self._get(ino)
                 buf = inode.wbuf
-                if not buf:
-                    inode.wbuf_off = off
-                    buf += data
-                elif off == inode.wbuf_off + len(buf):
-                    buf += data
-                else:
-                    need_flush = True
+                need_flush = not buf.append(off, data)
                 if not need_flush:
                     t = now_ns()
                     inode.mtime = inode.ctime = t
@@ -809,10 +803,10 @@ class Store:
             segs = inode.extents.lookup(off, size)
             overlay = None
             if inode.wbuf:
-                bo, bl = inode.wbuf_off, len(inode.wbuf)
+                bo, bl = inode.wbuf.off, len(inode.wbuf)
                 lo, hi = max(bo, off), min(bo + bl, off + size)
                 if hi > lo:
-                    overlay = (lo - off, bytes(inode.wbuf[lo - bo:hi - bo]))
+                    overlay = (lo - off, inode.wbuf.slice(lo, hi))
             with self._readers_cv:
                 self._readers += 1
         try:
@@ -892,7 +886,7 @@ class Store:
             self.stats["zone_finishes"] += 1
             self._do(J.ZONE_FINISH, J.pack_zone(z))
 
-    def _write_chunk(self, ino: int, off: int, data: memoryview, hint: H.Hint,
+    def _write_chunk(self, ino: int, off: int, data: Chunks, hint: H.Hint,
                      allow_reserve: bool = False) -> None:
         """Place and write ``data`` (file offset ``off``), possibly across zones (io_lock held)."""
         bs = self.bs
@@ -903,9 +897,9 @@ class Store:
             padded = -(-remaining // bs) * bs
             zone, nbytes = self._place(padded, hint, allow_reserve)
             payload = min(nbytes, remaining)
-            chunk = data[pos:pos + payload]
+            chunk = data.slice(pos, pos + payload)
             if nbytes > payload:
-                chunk = bytes(chunk) + bytes(nbytes - payload)
+                chunk.append(bytes(nbytes - payload))
             self._ensure_open_slot(zone)
             zoff = self.dev.zone(zone).wp
             self.dev.write(zone, zoff, chunk)
@@ -936,8 +930,8 @@ class Store:
                     n -= n % self.bs
                     if n == 0:
                         return
-                data = memoryview(bytes(inode.wbuf[:n]))
-                off = inode.wbuf_off
+                data = inode.wbuf.prefix(n)
+                off = inode.wbuf.off
                 if inode.hint is None:
                     inode.hint = self._resolve_hint(inode)
                     if inode.hint.birth > self.now:
@@ -949,14 +943,13 @@ class Store:
                 with self.lock:      # drop the uncommittable bytes; committed data stay intact
                     inode = self.inodes.get(ino)
                     if inode is not None:
-                        inode.wbuf = bytearray()
+                        inode.wbuf.clear()
                         inode.size = max((e.end for e in inode.extents), default=0)
                 raise
             with self.lock:
                 inode = self.inodes.get(ino)
-                if inode is not None and inode.wbuf_off == off:
-                    del inode.wbuf[:n]
-                    inode.wbuf_off = off + n
+                if inode is not None and inode.wbuf.off == off:
+                    inode.wbuf.drop(n)
             self._maybe_flush_journal()
         self._reset_empty_zones()
 

@@ -1,0 +1,226 @@
+"""Fixtures that run retainzfs the way a user does: `mkfs.retainzfs`, `mount.retainzfs`, `umount`.
+
+* ``image``      a fresh 1 GiB image (4 MiB zones, max_open=max_active=8) in tmp_path.
+* ``make_image`` factory for other geometries (``make_image(size="64M")``).
+* ``mounted``    the image mounted through the real, daemonizing ``mount.retainzfs``; yields a
+                 :class:`Mount` (path-like: ``mounted / "f"``, ``os.fspath(mounted)``) that can
+                 ``remount()``, ``umount()`` and ``kill()`` its daemon.
+* ``mount_image`` factory: mount any image (``mount_image(img)``), torn down like ``mounted``.
+
+Teardown is robust: ``umount``, wait for the daemon to exit (it releases the image lock when
+done); on failure ``fusermount3 -uz`` and SIGKILL of the daemon we started (by pid).
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+MKFS = shutil.which("mkfs.retainzfs") or "mkfs.retainzfs"
+MOUNT = shutil.which("mount.retainzfs") or "mount.retainzfs"
+RETAINZFS = shutil.which("retainzfs") or "retainzfs"
+
+
+def run(*argv, check=True, timeout=60, **kw) -> subprocess.CompletedProcess:
+    """Run a command, capture text output; raise with its output when ``check`` fails."""
+    p = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout, **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, argv))} -> rc={p.returncode}\n"
+                             f"stdout: {p.stdout}\nstderr: {p.stderr}")
+    return p
+
+
+def mkfs(img, size="1G", zone_size="4M", max_open=8, max_active=8, *extra) -> pathlib.Path:
+    run(MKFS, "--size", size, "--zone-size", zone_size, "--max-open", max_open,
+        "--max-active", max_active, *extra, img)
+    return pathlib.Path(img)
+
+
+def is_mounted(path) -> bool:
+    real = os.path.realpath(path)
+    with open("/proc/mounts") as f:
+        return any(line.split()[1] == real for line in f)
+
+
+def daemon_pids(img, mnt) -> list[int]:
+    """Pids of mount.retainzfs processes serving ``img`` on ``mnt`` (argv match, no zombies)."""
+    want_img, want_mnt = os.path.realpath(img), os.path.realpath(mnt)
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+            with open(f"/proc/{d}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            cwd = os.readlink(f"/proc/{d}/cwd")
+        except OSError:
+            continue
+        if state == "Z" or not any("mount.retainzfs" in a for a in argv[:2]):
+            continue
+        paths = {os.path.realpath(os.path.join(cwd, a)) for a in argv[1:] if not a.startswith("-")}
+        if want_img in paths and want_mnt in paths:
+            pids.append(int(d))
+    return pids
+
+
+def image_locked(img) -> bool:
+    """True while some process (a daemon) holds the image's exclusive flock."""
+    fd = os.open(img, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def wait_for(pred, timeout=15.0, interval=0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Mount:
+    """A live retainzfs mount made with the real commands; path-like."""
+
+    def __init__(self, img, mnt, options: str | None = None):
+        self.img = pathlib.Path(img)
+        self.path = pathlib.Path(mnt)
+        self.options = options
+        self.log = self.path.parent / f"{self.path.name}.daemon.log"
+        self.pid: int | None = None
+        self.pids_seen: set[int] = set()
+
+    # path-like conveniences
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __truediv__(self, other) -> pathlib.Path:
+        return self.path / other
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def mount(self) -> None:
+        self.path.mkdir(exist_ok=True)
+        opts = f"log={self.log}" + (f",{self.options}" if self.options else "")
+        run(MOUNT, self.img, self.path, "-o", opts, timeout=60)
+        assert is_mounted(self.path), f"{self.path} not mounted after mount.retainzfs returned"
+        pids = daemon_pids(self.img, self.path)
+        assert len(pids) == 1, f"expected one daemon for {self.img}, found {pids}"
+        self.pid = pids[0]
+        self.pids_seen.add(self.pid)
+
+    def umount(self, timeout: float = 30.0) -> None:
+        """Clean unmount with umount(8); wait for the daemon to exit and release the image."""
+        run("umount", self.path, timeout=timeout)
+        pid, self.pid = self.pid, None
+        if pid is not None:
+            assert wait_for(lambda: not _alive(pid), timeout), f"daemon {pid} still running after umount"
+        assert wait_for(lambda: not image_locked(self.img), timeout), "image still locked after umount"
+
+    def remount(self) -> None:
+        self.umount()
+        self.mount()
+
+    def kill(self) -> None:
+        """kill -9 the daemon (crash); the mount is left stale (ENOTCONN) like in real life."""
+        pid, self.pid = self.pid, None
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: not _alive(pid), 10), f"daemon {pid} survived SIGKILL"
+        assert wait_for(lambda: not image_locked(self.img), 10)
+
+    def status(self) -> dict:
+        import json
+        return json.loads(os.getxattr(self.path, "user.retainz.status"))
+
+    def daemon_log(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def teardown(self) -> None:
+        """Best effort: umount; otherwise lazy fusermount + SIGKILL of our daemons."""
+        try:
+            if is_mounted(self.path):
+                self.umount()
+        except Exception:
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+        for pid in self.pids_seen | set(daemon_pids(self.img, self.path)):
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                wait_for(lambda: not _alive(pid), 5)
+        if is_mounted(self.path):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+
+
+@pytest.fixture
+def make_image(tmp_path):
+    n = [0]
+
+    def make(size="1G", zone_size="4M", max_open=8, max_active=8, *extra) -> pathlib.Path:
+        n[0] += 1
+        return mkfs(tmp_path / f"img{n[0]}.zns", size, zone_size, max_open, max_active, *extra)
+    return make
+
+
+@pytest.fixture
+def image(make_image) -> pathlib.Path:
+    return make_image()
+
+
+@pytest.fixture
+def mount_image(tmp_path, request):
+    mounts: list[Mount] = []
+
+    def mount(img, options: str | None = None, name: str | None = None) -> Mount:
+        m = Mount(img, tmp_path / (name or f"mnt{len(mounts)}"), options)
+        mounts.append(m)
+        m.mount()
+        return m
+    yield mount
+    failed = []
+    for m in mounts:
+        m.teardown()
+        bad = [ln for ln in m.daemon_log().splitlines()
+               if "internal error" in ln or "Traceback" in ln or "FUSE loop failed" in ln]
+        if bad:
+            failed.append(f"{m.log}: " + " | ".join(bad[:5]))
+    if failed and not getattr(request.node, "allow_daemon_errors", False):
+        pytest.fail("daemon logged internal errors:\n" + "\n".join(failed))
+
+
+@pytest.fixture
+def mounted(image, mount_image) -> Mount:
+    return mount_image(image, name="mnt")
+
+
+@pytest.fixture
+def remount():
+    """remount(m): clean umount + mount again of a Mount (also available as m.remount())."""
+    return lambda m: m.remount()

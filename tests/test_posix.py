@@ -1,0 +1,751 @@
+"""DESIGN §9 through a real mount: every POSIX operation checkpoint frameworks rely on.
+
+Each test mounts a fresh image with the real `mount.retainzfs` (see conftest.py) and uses real
+programs (cp, dd) or plain Python file APIs against the mountpoint.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import mmap
+import os
+import random
+import shutil
+import stat
+import threading
+import time
+
+import pytest
+
+from conftest import run
+
+MiB = 1 << 20
+
+
+def sha(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(4 * MiB):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def rand_bytes(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def write_file(path, data: bytes, fsync=False) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------------- data path
+
+def test_sequential_large_writes_cp_dd(mounted, tmp_path):
+    src = tmp_path / "src.bin"
+    src.write_bytes(rand_bytes(48 * MiB + 12345, 1))
+    run("cp", src, mounted / "copy.bin")
+    assert sha(mounted / "copy.bin") == sha(src)
+    run("dd", f"if={src}", f"of={mounted / 'dd.bin'}", "bs=1M", "status=none", "conv=fsync")
+    assert sha(mounted / "dd.bin") == sha(src)
+    # dd with odd block sizes (unaligned writes) still produces the same bytes
+    run("dd", f"if={src}", f"of={mounted / 'dd_odd.bin'}", "bs=99999", "status=none")
+    assert sha(mounted / "dd_odd.bin") == sha(src)
+    assert os.stat(mounted / "dd.bin").st_size == src.stat().st_size
+    mounted.remount()
+    for name in ("copy.bin", "dd.bin", "dd_odd.bin"):
+        assert sha(mounted / name) == sha(src), name
+
+
+def test_overwrite_below_eof(mounted):
+    p = mounted / "f"
+    ref = bytearray(rand_bytes(10 * MiB, 2))
+    write_file(p, bytes(ref))
+    rng = random.Random(3)
+    with open(p, "r+b") as f:
+        for _ in range(40):
+            off = rng.randrange(0, len(ref) - 70000)
+            data = rng.randbytes(rng.randrange(1, 70000))
+            f.seek(off)
+            f.write(data)
+            ref[off:off + len(data)] = data
+            if rng.random() < 0.3:
+                f.flush()
+                assert os.pread(f.fileno(), len(data), off) == data
+    assert p.read_bytes() == ref
+    # dd conv=notrunc into the middle
+    patch = rand_bytes(3 * MiB, 4)
+    run("dd", "of=" + str(p), "bs=1M", "seek=2", "conv=notrunc", "status=none", input=None,
+        stdin=open(_tmpfile(patch), "rb"))
+    ref[2 * MiB:5 * MiB] = patch
+    assert p.read_bytes() == ref
+    mounted.remount()
+    assert p.read_bytes() == ref
+    # the superseded ranges are dead bytes, not live ones
+    st = mounted.status()
+    assert st["live_bytes"] == len(ref)
+
+
+def _tmpfile(data: bytes) -> str:
+    import tempfile
+    fd, path = tempfile.mkstemp()
+    os.write(fd, data)
+    os.close(fd)
+    return path
+
+
+def test_o_trunc(mounted):
+    p = mounted / "t"
+    write_file(p, rand_bytes(6 * MiB, 5))
+    fd = os.open(p, os.O_WRONLY | os.O_TRUNC)
+    assert os.fstat(fd).st_size == 0
+    os.write(fd, b"short")
+    os.close(fd)
+    assert p.read_bytes() == b"short"
+    # shell redirection truncates too
+    run("sh", "-c", f"echo hello > '{p}'")
+    assert p.read_bytes() == b"hello\n"
+    mounted.remount()
+    assert p.read_bytes() == b"hello\n"
+    assert mounted.status()["live_bytes"] == 6
+
+
+def test_ftruncate_extend_and_shrink(mounted):
+    p = mounted / "tr"
+    data = rand_bytes(5 * MiB + 100, 6)
+    write_file(p, data)
+    with open(p, "r+b") as f:
+        os.ftruncate(f.fileno(), 8 * MiB)          # extend: a hole reading as zeros
+        assert os.fstat(f.fileno()).st_size == 8 * MiB
+        f.seek(0)
+        got = f.read()
+        assert got[:len(data)] == data and got[len(data):] == bytes(8 * MiB - len(data))
+        os.ftruncate(f.fileno(), 1 * MiB + 7)      # shrink
+        assert os.fstat(f.fileno()).st_size == MiB + 7
+        os.ftruncate(f.fileno(), 3 * MiB)          # extend again: old bytes must not reappear
+        f.seek(0)
+        got = f.read()
+    assert got == data[:MiB + 7] + bytes(3 * MiB - MiB - 7)
+    # truncate while data are still buffered (written, not yet closed)
+    with open(p, "r+b") as f:
+        f.seek(3 * MiB)
+        f.write(b"x" * 5000)
+        f.flush()
+        os.ftruncate(f.fileno(), 3 * MiB + 10)
+        os.ftruncate(f.fileno(), 3 * MiB + 100)
+        f.seek(3 * MiB)
+        assert f.read() == b"x" * 10 + bytes(90)
+    os.truncate(p, 0)
+    os.truncate(p, 4096)
+    assert p.read_bytes() == bytes(4096)
+    mounted.remount()
+    assert p.read_bytes() == bytes(4096)
+
+
+def test_fsync(mounted):
+    p = mounted / "synced"
+    data = rand_bytes(3 * MiB + 17, 7)
+    with open(p, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+        os.fdatasync(f.fileno())
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    dfd = os.open(mounted.path, os.O_RDONLY | os.O_DIRECTORY)
+    os.fsync(dfd)                                   # fsyncdir
+    os.close(dfd)
+    os.sync()                                       # syncfs path
+    assert p.read_bytes() == data + data
+    assert mounted.status()["commits"] >= 1
+    mounted.remount()
+    assert p.read_bytes() == data + data
+
+
+# ---------------------------------------------------------------------------- namespace
+
+def test_rename_over_existing_file(mounted):
+    a, b = mounted / "a", mounted / "b"
+    write_file(a, rand_bytes(2 * MiB, 8))
+    write_file(b, rand_bytes(3 * MiB, 9))
+    ino_a = os.stat(a).st_ino
+    live0 = mounted.status()["live_bytes"]
+    os.replace(a, b)
+    assert not a.exists()
+    assert os.stat(b).st_ino == ino_a
+    assert b.read_bytes() == rand_bytes(2 * MiB, 8)
+    assert mounted.status()["live_bytes"] == live0 - 3 * MiB     # the victim's data died
+    # the classic atomic-save pattern: write tmp, fsync, rename over
+    for i in range(5):
+        tmp = mounted / "ckpt.tmp"
+        write_file(tmp, f"gen{i}".encode() * 1000, fsync=True)
+        os.rename(tmp, mounted / "ckpt")
+    assert (mounted / "ckpt").read_bytes() == b"gen4" * 1000
+    # rename over an open file: the open fd still reads the old contents
+    write_file(mounted / "x", b"old" * 100)
+    with open(mounted / "x", "rb") as f:
+        write_file(mounted / "y", b"new" * 100)
+        os.replace(mounted / "y", mounted / "x")
+        assert f.read() == b"old" * 100
+    assert (mounted / "x").read_bytes() == b"new" * 100
+    mounted.remount()
+    assert (mounted / "b").read_bytes() == rand_bytes(2 * MiB, 8)
+    assert (mounted / "ckpt").read_bytes() == b"gen4" * 1000
+    assert sorted(os.listdir(mounted.path)) == ["b", "ckpt", "x"]
+
+
+def test_directory_rename(mounted):
+    d = mounted / "step-1"
+    (d / "sub").mkdir(parents=True)
+    write_file(d / "sub" / "shard0", rand_bytes(MiB, 10))
+    write_file(d / "meta", b"m")
+    (mounted / "old").mkdir()
+    os.rename(d, mounted / "old" / "step-1-final")
+    assert not d.exists()
+    nd = mounted / "old" / "step-1-final"
+    assert (nd / "sub" / "shard0").read_bytes() == rand_bytes(MiB, 10)
+    assert os.stat(mounted / "old").st_nlink == 3
+    assert os.stat(mounted.path).st_nlink == 3
+    # rename over an empty directory works, over a non-empty one is ENOTEMPTY
+    (mounted / "empty").mkdir()
+    os.rename(mounted / "old", mounted / "empty")
+    (mounted / "full").mkdir()
+    (mounted / "full" / "f").write_bytes(b"1")
+    (mounted / "d2").mkdir()
+    with pytest.raises(OSError) as ei:
+        os.rename(mounted / "d2", mounted / "full")
+    assert ei.value.errno in (errno.ENOTEMPTY, errno.EEXIST)
+    with pytest.raises(OSError) as ei:
+        os.rename(mounted / "empty", mounted / "empty" / "step-1-final" / "inside")
+    assert ei.value.errno == errno.EINVAL
+    mounted.remount()
+    assert (mounted / "empty" / "step-1-final" / "sub" / "shard0").read_bytes() == rand_bytes(MiB, 10)
+    assert (mounted / "empty" / "step-1-final" / "meta").read_bytes() == b"m"
+    assert sorted(os.listdir(mounted.path)) == ["d2", "empty", "full"]
+
+
+def test_unlink_rmdir_rmtree_beside_writers(mounted):
+    """Deleting old generations while the trainer writes new ones (threads)."""
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    written: dict[str, bytes] = {}
+
+    def writer(wid: int) -> None:
+        try:
+            for g in range(12):
+                d = mounted / f"w{wid}" / f"step-{g}"
+                d.mkdir(parents=True)
+                for s in range(3):
+                    data = rand_bytes(300_000 + s * 7777, wid * 1000 + g * 10 + s)
+                    write_file(d / f"shard{s}", data, fsync=(s == 0))
+                    written[str(d / f"shard{s}")] = data
+                if g >= 3:      # keep the latest 3: rm -r the oldest, beside the other writer
+                    shutil.rmtree(mounted / f"w{wid}" / f"step-{g - 3}")
+        except BaseException as e:     # noqa: BLE001
+            errors.append(e)
+
+    def deleter() -> None:
+        try:
+            while not stop.is_set():
+                for name in os.listdir(mounted.path):
+                    if name.startswith("tmp"):
+                        p = mounted / name
+                        for f in os.listdir(p):
+                            os.unlink(p / f)
+                        os.rmdir(p)
+                d = mounted / f"tmp{time.monotonic_ns()}"
+                d.mkdir()
+                for i in range(5):
+                    write_file(d / f"f{i}", b"z" * 50_000)
+        except BaseException as e:     # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(3)]
+    dt = threading.Thread(target=deleter)
+    for t in threads:
+        t.start()
+    dt.start()
+    for t in threads:
+        t.join(120)
+    stop.set()
+    dt.join(60)
+    assert not errors, errors
+    for wid in range(3):
+        assert sorted(os.listdir(mounted / f"w{wid}")) == ["step-10", "step-11", "step-9"]
+        for g in (9, 10, 11):
+            for s in range(3):
+                p = mounted / f"w{wid}" / f"step-{g}" / f"shard{s}"
+                assert p.read_bytes() == written[str(p)]
+    # rmtree of a directory while a writer keeps an open file in it
+    d = mounted / "busy"
+    d.mkdir()
+    f = open(d / "open", "wb")
+    f.write(b"a" * 100_000)
+    shutil.rmtree(d)
+    f.write(b"b" * 100_000)
+    f.close()
+    assert not d.exists()
+    st = mounted.status()
+    mounted.remount()
+    st2 = mounted.status()
+    assert st2["live_bytes"] == st["live_bytes"]
+    assert st2["files"] == st["files"]
+
+
+def test_unlinked_but_open_file_readable_until_close(mounted):
+    p = mounted / "doomed"
+    data = rand_bytes(6 * MiB, 11)
+    write_file(p, data)
+    live_before = mounted.status()["live_bytes"]
+    f = open(p, "rb")
+    os.unlink(p)
+    assert not p.exists()
+    assert f.read() == data                         # readable after unlink
+    assert os.fstat(f.fileno()).st_nlink == 0
+    assert mounted.status()["live_bytes"] == live_before   # not freed while open
+    # writable too (an unlinked scratch file)
+    g = open(mounted / "scratch", "w+b")
+    os.unlink(mounted / "scratch")
+    g.write(data[:MiB])
+    g.flush()
+    g.seek(0)
+    assert g.read() == data[:MiB]
+    g.close()
+    f.seek(MiB)
+    assert f.read(10) == data[MiB:MiB + 10]
+    f.close()
+    assert wait_live(mounted, 0), mounted.status()["live_bytes"]
+    mounted.remount()
+    assert os.listdir(mounted.path) == []
+    assert mounted.status()["live_bytes"] == 0
+
+
+def wait_live(m, value, timeout=5.0) -> bool:
+    """release is asynchronous (close returns before the daemon frees): poll status."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if m.status()["live_bytes"] == value:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_symlink_readlink(mounted):
+    write_file(mounted / "target", b"T" * 10)
+    os.symlink("target", mounted / "link")
+    os.symlink("/nonexistent/dangling", mounted / "dangling")
+    (mounted / "d").mkdir()
+    os.symlink("../target", mounted / "d" / "up")
+    assert os.readlink(mounted / "link") == "target"
+    assert (mounted / "link").read_bytes() == b"T" * 10
+    assert (mounted / "d" / "up").read_bytes() == b"T" * 10
+    assert os.lstat(mounted / "link").st_size == len("target")
+    assert stat.S_ISLNK(os.lstat(mounted / "dangling").st_mode)
+    assert not (mounted / "dangling").exists()
+    with pytest.raises(OSError) as ei:
+        os.readlink(mounted / "target")
+    assert ei.value.errno == errno.EINVAL
+    long_target = "x/" * 1000 + "y"
+    os.symlink(long_target, mounted / "long")
+    mounted.remount()
+    assert os.readlink(mounted / "link") == "target"
+    assert os.readlink(mounted / "dangling") == "/nonexistent/dangling"
+    assert os.readlink(mounted / "long") == long_target
+    os.unlink(mounted / "link")
+    assert (mounted / "target").exists()
+
+
+def test_chmod_utime(mounted):
+    p = mounted / "f"
+    write_file(p, b"x")
+    os.chmod(p, 0o600)
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
+    assert stat.S_ISREG(os.stat(p).st_mode)
+    os.chmod(p, 0o4755)
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o4755
+    os.utime(p, ns=(1_000_000_123, 2_000_000_456))
+    st = os.stat(p)
+    assert (st.st_atime_ns, st.st_mtime_ns) == (1_000_000_123, 2_000_000_456)
+    (mounted / "d").mkdir()
+    os.chmod(mounted / "d", 0o700)
+    os.utime(mounted / "d", (12345, 67890))
+    run("touch", "-d", "2001-02-03 04:05:06 UTC", mounted / "touched")
+    before = time.time_ns()
+    os.utime(p)                                     # "now"
+    assert os.stat(p).st_mtime_ns >= before - 2_000_000_000
+    mtime = os.stat(p).st_mtime_ns
+    os.chown(p, 1234, 5678)
+    assert (os.stat(p).st_uid, os.stat(p).st_gid) == (1234, 5678)
+    mounted.remount()
+    st = os.stat(p)
+    assert stat.S_IMODE(st.st_mode) == 0o4755 or stat.S_IMODE(st.st_mode) == 0o755  # chown may drop suid
+    assert st.st_mtime_ns == mtime
+    assert (st.st_uid, st.st_gid) == (1234, 5678)
+    assert stat.S_IMODE(os.stat(mounted / "d").st_mode) == 0o700
+    assert os.stat(mounted / "d").st_mtime == 67890
+    assert os.stat(mounted / "touched").st_mtime == 981173106
+
+
+def test_stable_st_ino(mounted):
+    names = ["a", "b", "d", "d/e", "d/f"]
+    (mounted / "d").mkdir()
+    for n in names:
+        if n != "d":
+            write_file(mounted / n, n.encode())
+    os.symlink("a", mounted / "s")
+    names.append("s")
+    inos = {n: os.lstat(mounted / n).st_ino for n in names}
+    assert len(set(inos.values())) == len(names)
+    assert os.stat(mounted.path).st_ino == 1
+    # survives rename and re-lookup
+    os.rename(mounted / "b", mounted / "d" / "b2")
+    assert os.stat(mounted / "d" / "b2").st_ino == inos["b"]
+    inos["d/b2"] = inos.pop("b")
+    # readdir reports the same numbers as stat
+    for e in os.scandir(mounted / "d"):
+        assert e.inode() == inos[f"d/{e.name}"]
+    mounted.remount()
+    for n, ino in inos.items():
+        assert os.lstat(mounted / n).st_ino == ino, n
+    # new inodes never reuse a number of a live one
+    write_file(mounted / "new", b"n")
+    assert os.stat(mounted / "new").st_ino not in inos.values()
+
+
+def test_directory_mtime_changes_on_add_remove(mounted):
+    d = mounted / "dir"
+    d.mkdir()
+    os.utime(d, ns=(0, 0))
+    t0 = os.stat(d).st_mtime_ns
+    write_file(d / "f", b"1")
+    t1 = os.stat(d).st_mtime_ns
+    assert t1 > t0
+    os.utime(d, ns=(0, 0))
+    os.unlink(d / "f")
+    assert os.stat(d).st_mtime_ns > 0
+    os.utime(d, ns=(0, 0))
+    (d / "sub").mkdir()
+    assert os.stat(d).st_mtime_ns > 0
+    os.utime(d, ns=(0, 0))
+    os.rmdir(d / "sub")
+    assert os.stat(d).st_mtime_ns > 0
+    os.utime(d, ns=(0, 0))
+    write_file(mounted / "outside", b"o")
+    os.rename(mounted / "outside", d / "inside")
+    assert os.stat(d).st_mtime_ns > 0
+    os.utime(d, ns=(0, 0))
+    os.symlink("x", d / "l")
+    assert os.stat(d).st_mtime_ns > 0
+    os.utime(d, ns=(0, 0))
+    os.link(d / "inside", d / "hard")
+    assert os.stat(d).st_mtime_ns > 0
+    # ctime follows too; after remount the latest mtime is kept
+    t = os.stat(d).st_mtime_ns
+    mounted.remount()
+    assert os.stat(d).st_mtime_ns == t
+
+
+# ---------------------------------------------------------------------------- readdir
+
+def test_readdir_scandir_while_adding(mounted):
+    d = mounted / "big"
+    d.mkdir()
+    base = {f"f{i:05d}" for i in range(600)}
+    for n in base:
+        (d / n).touch()
+    seen = []
+    added = set()
+    with os.scandir(d) as it:
+        for i, e in enumerate(it):
+            seen.append(e.name)
+            if i % 10 == 0:         # add entries while the listing is in progress
+                n = f"new{i:05d}"
+                (d / n).touch()
+                added.add(n)
+    assert len(seen) == len(set(seen)), "an entry was returned twice"
+    assert base <= set(seen), "an existing entry was skipped"
+    assert set(seen) <= base | added
+    assert set(os.listdir(d)) == base | added
+    # removing entries during a listing never skips or repeats survivors
+    seen = []
+    removed = set()
+    with os.scandir(d) as it:
+        for i, e in enumerate(it):
+            seen.append(e.name)
+            if i % 7 == 0:
+                victim = sorted(base - set(seen) - removed)[-1:]
+                for v in victim:
+                    os.unlink(d / v)
+                    removed.add(v)
+    assert len(seen) == len(set(seen))
+    assert (base | added) - removed <= set(seen)
+    assert set(seen) & removed <= set()        # removed ones not yet listed are gone
+
+
+class _Dirent(ctypes.Structure):
+    _fields_ = [("d_ino", ctypes.c_uint64), ("d_off", ctypes.c_int64),
+                ("d_reclen", ctypes.c_ushort), ("d_type", ctypes.c_ubyte),
+                ("d_name", ctypes.c_char * 256)]
+
+
+def test_readdir_telldir_seekdir(mounted):
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.opendir.restype = ctypes.c_void_p
+    libc.opendir.argtypes = [ctypes.c_char_p]
+    libc.readdir.restype = ctypes.POINTER(_Dirent)
+    libc.readdir.argtypes = [ctypes.c_void_p]
+    libc.telldir.restype = ctypes.c_long
+    libc.telldir.argtypes = [ctypes.c_void_p]
+    libc.seekdir.argtypes = [ctypes.c_void_p, ctypes.c_long]
+    libc.closedir.argtypes = [ctypes.c_void_p]
+    libc.rewinddir.argtypes = [ctypes.c_void_p]
+
+    d = mounted / "dir"
+    d.mkdir()
+    names = [f"entry-{i:04d}-" + "x" * 40 for i in range(1500)]   # several getdents batches
+    for n in names:
+        (d / n).touch()
+
+    def read_rest(dirp) -> list[str]:
+        out = []
+        while True:
+            ent = libc.readdir(dirp)
+            if not ent:
+                return out
+            out.append(ent.contents.d_name.decode())
+
+    dirp = libc.opendir(str(d).encode())
+    assert dirp
+    first = []
+    positions = {}
+    for _ in range(700):
+        pos = libc.telldir(dirp)
+        ent = libc.readdir(dirp)
+        name = ent.contents.d_name.decode()
+        positions[name] = pos
+        first.append(name)
+    mid = libc.telldir(dirp)
+    rest = read_rest(dirp)
+    all_names = first + rest
+    assert sorted(n for n in all_names if n not in (".", "..")) == sorted(names)
+    # seekdir back to the middle: the same tail again
+    libc.seekdir(dirp, mid)
+    assert read_rest(dirp) == rest
+    # seekdir to any remembered position reproduces the listing from there
+    for name in (first[3], first[400], first[699]):
+        libc.seekdir(dirp, positions[name])
+        again = read_rest(dirp)
+        assert again == all_names[all_names.index(name):]
+    # entries created/removed after telldir do not disturb the offsets of the others
+    os.unlink(d / rest[0])
+    (d / "zz-late").touch()
+    libc.seekdir(dirp, mid)
+    again = read_rest(dirp)
+    assert again[:len(rest) - 1] == rest[1:]
+    libc.rewinddir(dirp)
+    assert len(read_rest(dirp)) == len(names) + 2      # -1 removed, +1 added, + . and ..
+    libc.closedir(dirp)
+    # stable across remount too: offsets are cookies, not positions
+    mounted.remount()
+    dirp = libc.opendir(str(d).encode())
+    libc.seekdir(dirp, positions[first[400]])
+    after = read_rest(dirp)
+    libc.closedir(dirp)
+    assert after[0] == first[400]
+
+
+# ---------------------------------------------------------------------------- reads, mmap
+
+def test_concurrent_random_offset_reads(mounted):
+    data = rand_bytes(24 * MiB, 12)
+    p = mounted / "r"
+    write_file(p, data)
+    errors = []
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                for _ in range(150):
+                    off = rng.randrange(0, len(data))
+                    n = rng.choice([1, 4096, 65536, 1 << 20, rng.randrange(1, 3 * MiB)])
+                    got = os.pread(fd, n, off)
+                    if got != data[off:off + n]:
+                        errors.append((seed, off, n))
+                        return
+            finally:
+                os.close(fd)
+        except BaseException as e:     # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+
+
+def test_mmap_shared_readonly_and_private(mounted):
+    data = rand_bytes(9 * MiB + 123, 13)
+    p = mounted / "m"
+    write_file(p, data)
+    with open(p, "rb") as f:
+        with mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as m:
+            assert len(m) == len(data)
+            assert m[:] == data
+            rng = random.Random(1)
+            for _ in range(50):
+                off = rng.randrange(len(data))
+                assert m[off:off + 4096] == data[off:off + 4096]
+    with open(p, "r+b") as f:
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:    # MAP_PRIVATE
+            assert m[:100] == data[:100]
+            m[0:5] = b"HELLO"
+            assert m[0:5] == b"HELLO"
+    assert p.read_bytes() == data                    # private writes never reach the file
+    # numpy/torch style: np.memmap read-only
+    np = pytest.importorskip("numpy")
+    arr = np.memmap(p, dtype=np.uint8, mode="r")
+    assert bytes(arr[-1000:]) == data[-1000:]
+    del arr
+
+
+def test_file_over_4gib(make_image, mount_image):
+    img = make_image(size="8G")
+    m = mount_image(img)
+    p = m / "huge"
+    G = 1 << 30
+    pieces = {0: rand_bytes(MiB, 20), 4 * G - 3000: rand_bytes(MiB, 21),   # straddles 4 GiB
+              5 * G + 17: rand_bytes(2 * MiB + 5, 22)}
+    with open(p, "wb") as f:
+        for off, d in pieces.items():
+            f.seek(off)
+            f.write(d)
+    size = 5 * G + 17 + 2 * MiB + 5
+    assert os.stat(p).st_size == size
+    with open(p, "rb") as f:
+        for off, d in pieces.items():
+            f.seek(off)
+            assert f.read(len(d)) == d
+        f.seek(2 * G)
+        assert f.read(MiB) == bytes(MiB)             # a hole reads as zeros
+    # dd at a high offset, then read past 4 GiB through mmap
+    run("dd", "if=/dev/zero", f"of={m / 'dd_high'}", "bs=1M", "count=1", "seek=4200",
+        "status=none")
+    assert os.stat(m / "dd_high").st_size == 4201 * MiB
+    with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        assert mm[5 * G + 17:5 * G + 17 + 1000] == pieces[5 * G + 17][:1000]
+    m.remount()
+    assert os.stat(p).st_size == size
+    with open(p, "rb") as f:
+        for off, d in pieces.items():
+            f.seek(off)
+            assert f.read(len(d)) == d
+    assert m.status()["live_bytes"] == sum(map(len, pieces.values())) + MiB
+
+
+def test_statfs_reports_real_free_space(mounted):
+    s0 = os.statvfs(mounted.path)
+    assert s0.f_blocks * s0.f_frsize > 900 * MiB
+    assert 0 < s0.f_bavail <= s0.f_bfree <= s0.f_blocks
+    free0 = s0.f_bavail * s0.f_frsize
+    for i in range(4):
+        write_file(mounted / f"f{i}", rand_bytes(16 * MiB, 30 + i), fsync=True)
+    free1 = os.statvfs(mounted.path).f_bavail * s0.f_frsize
+    assert free0 - free1 >= 64 * MiB - 8 * MiB, (free0, free1)
+    assert free0 - free1 <= 64 * MiB + 16 * MiB
+    df = run("df", "-B1", "--output=avail", mounted.path).stdout.split()[-1]
+    assert abs(int(df) - free1) <= 16 * MiB
+    for i in range(4):
+        os.unlink(mounted / f"f{i}")
+    # deletion empties the zones; they are reset and the space comes back
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        free2 = os.statvfs(mounted.path).f_bavail * s0.f_frsize
+        if free2 >= free0 - 8 * MiB:
+            break
+        time.sleep(0.05)
+    assert free2 >= free0 - 8 * MiB, (free0, free2)
+    st = mounted.status()
+    assert st["zone_resets"] > 0
+    assert st["live_bytes"] == 0
+
+
+def test_xattrs(mounted):
+    p = mounted / "x"
+    write_file(p, b"data")
+    with pytest.raises(OSError) as ei:
+        os.getxattr(p, "user.absent")
+    assert ei.value.errno == errno.ENODATA
+    os.setxattr(p, "user.a", b"1")
+    os.setxattr(p, "user.b", b"\x00binary\xff" * 100)
+    assert os.getxattr(p, "user.a") == b"1"
+    assert os.getxattr(p, "user.b") == b"\x00binary\xff" * 100
+    assert {"user.a", "user.b"} <= set(os.listxattr(p))
+    with pytest.raises(OSError) as ei:
+        os.setxattr(p, "user.a", b"2", os.XATTR_CREATE)
+    assert ei.value.errno == errno.EEXIST
+    with pytest.raises(OSError) as ei:
+        os.setxattr(p, "user.c", b"2", os.XATTR_REPLACE)
+    assert ei.value.errno == errno.ENODATA
+    os.removexattr(p, "user.a")
+    with pytest.raises(OSError) as ei:
+        os.getxattr(p, "user.a")
+    assert ei.value.errno == errno.ENODATA
+    with pytest.raises(OSError) as ei:
+        os.removexattr(p, "user.a")
+    assert ei.value.errno == errno.ENODATA
+    # hint xattrs on a directory are inherited; the virtual hint xattr reports it
+    d = mounted / "gen"
+    d.mkdir()
+    os.setxattr(d, "user.retainz.birth", b"100")
+    os.setxattr(d, "user.retainz.reclaim", b"400")
+    write_file(d / "shard", rand_bytes(MiB, 40))
+    import json
+    h = json.loads(os.getxattr(d / "shard", "user.retainz.hint"))
+    assert (h["birth"], h["reclaim"]) == (100, 400)
+    assert os.getxattr(d / "shard", "user.retainz.zones")
+    os.setxattr(mounted.path, "user.on_root", b"r")
+    # getfattr (a real program) agrees
+    out = run("getfattr", "-d", "-m", "user\\.", d).stdout if shutil.which("getfattr") else ""
+    if out:
+        assert 'user.retainz.reclaim="400"' in out
+    mounted.remount()
+    assert os.getxattr(p, "user.b") == b"\x00binary\xff" * 100
+    assert "user.a" not in os.listxattr(p)
+    assert os.getxattr(d, "user.retainz.reclaim") == b"400"
+    assert os.getxattr(mounted.path, "user.on_root") == b"r"
+
+
+def test_hard_links(mounted):
+    a = mounted / "a"
+    data = rand_bytes(2 * MiB, 50)
+    write_file(a, data)
+    (mounted / "d").mkdir()
+    os.link(a, mounted / "d" / "b")
+    st_a, st_b = os.stat(a), os.stat(mounted / "d" / "b")
+    assert st_a.st_ino == st_b.st_ino and st_a.st_nlink == 2
+    with open(mounted / "d" / "b", "r+b") as f:          # write through one name
+        f.write(b"LINK")
+    assert a.read_bytes()[:4] == b"LINK"
+    os.unlink(a)
+    assert os.stat(mounted / "d" / "b").st_nlink == 1
+    assert (mounted / "d" / "b").read_bytes() == b"LINK" + data[4:]
+    with pytest.raises(OSError) as ei:
+        os.link(mounted / "d", mounted / "dlink")
+    assert ei.value.errno == errno.EPERM
+    os.link(mounted / "d" / "b", mounted / "c")
+    mounted.remount()
+    assert os.stat(mounted / "c").st_nlink == 2
+    assert (mounted / "c").read_bytes() == b"LINK" + data[4:]
+    assert mounted.status()["live_bytes"] == 2 * MiB
+    os.unlink(mounted / "c")
+    os.unlink(mounted / "d" / "b")
+    assert wait_live(mounted, 0)
