@@ -13,6 +13,7 @@ setup(
     description="FUSE filesystem that packs AI checkpoints into zones by reclaim time",
     python_requires=">=3.11",
     packages=find_packages(include=["retainzfs", "retainzfs.*"]),
+    package_data={"retainzfs": ["data/mount.fuse.retainzfs"]},
     ext_modules=cythonize(extensions, language_level="3",
                           compiler_directives={"boundscheck": False, "wraparound": False}),
     install_requires=["pyfuse3>=3.3", "trio>=0.22", "crc32c>=2.3", "rich>=13", "tqdm>=4.60",

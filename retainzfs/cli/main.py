@@ -120,6 +120,32 @@ def cmd_fsck(args) -> int:
     return 1 if problems else 0
 
 
+HELPER_TEMPLATE = "mount.fuse.retainzfs"
+
+
+def cmd_install_helper(args) -> int:
+    """Install the mount(8) helper so `mount -t fuse.retainzfs` and /etc/fstab work."""
+    import importlib.resources
+    import sys as _sys
+    src = None
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for cand in (os.path.join(here, "mount", HELPER_TEMPLATE),):
+        if os.path.exists(cand):
+            src = open(cand).read()
+    if src is None:
+        src = importlib.resources.files("retainzfs").joinpath("data", HELPER_TEMPLATE).read_text()
+    dest = os.path.join(args.prefix, HELPER_TEMPLATE)
+    try:
+        with open(dest + ".tmp", "w") as f:
+            f.write(src.replace("@PYTHON@", _sys.executable))
+        os.chmod(dest + ".tmp", 0o755)
+        os.replace(dest + ".tmp", dest)
+    except OSError as e:
+        die(f"cannot install {dest}: {e.strerror}")
+    print(f"installed {dest} (uses {_sys.executable})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="retainzfs", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -130,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fsck", help="check an unmounted filesystem")
     f.add_argument("target")
     f.set_defaults(func=cmd_fsck)
+    ih = sub.add_parser("install-helper", help="install /sbin/mount.fuse.retainzfs for mount(8)/fstab")
+    ih.add_argument("--prefix", default="/sbin")
+    ih.set_defaults(func=cmd_install_helper)
     try:
         from .hints_cmd import add_hints_args, run_hints
         h = sub.add_parser("hints", help="per generation: birth, hint and zones")

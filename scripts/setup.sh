@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Install everything retainzfs and its tests need on a fresh Debian machine (run as root):
+# FUSE 3 (kernel side + libfuse3 headers for pyfuse3), the Python package with its Cython
+# extensions, PyTorch (CPU) for the framework tests, QEMU + a Debian kernel for the ZNS guest,
+# and the mount(8) helper.  Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export DEBIAN_FRONTEND=noninteractive
+PY=${PYTHON:-python3}
+need_apt=()
+for pkg in fuse3 libfuse3-dev pkg-config attr util-linux; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+if [ -f scripts/install_qemu_deps.sh ] && [ "${RETAINZFS_NO_QEMU:-0}" != 1 ]; then
+    bash scripts/install_qemu_deps.sh
+fi
+$PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
+$PY -m pip install -q --disable-pip-version-check -e '.[test]'
+$PY -m retainzfs.cli.main install-helper >/dev/null
+echo "setup: retainzfs $($PY -c 'import retainzfs; print(retainzfs.__version__)') ready"
