@@ -161,8 +161,7 @@ fi
 if [ -n "{want_conv}" ]; then
     RETAINZ_CONV_DEV=$(find_dev 0); export RETAINZ_CONV_DEV
 fi
-log "kernel $(uname -r); $RETAINZ_ZNS_DEV: $(cat $q/zoned), $(cat $q/nr_zones) zones of $(( $(cat $q/chunk_sectors) / 2048 ))M, max_open $(cat $q/max_open_zones), max_active $(cat $q/max_active_zones), lbs $(cat $q/logical_block_size), scheduler $(cat $q/scheduler)${{RETAINZ_CONV_DEV:+; conventional $RETAINZ_CONV_DEV}}"
-log "export RETAINZ_ZNS_DEV=$RETAINZ_ZNS_DEV"
+log "RETAINZ_ZNS_DEV=$RETAINZ_ZNS_DEV (kernel $(uname -r)): $(cat $q/zoned), $(cat $q/nr_zones) zones of $(( $(cat $q/chunk_sectors) / 2 ))K, max_open $(cat $q/max_open_zones), max_active $(cat $q/max_active_zones), lbs $(cat $q/logical_block_size), scheduler $(cat $q/scheduler)${{RETAINZ_CONV_DEV:+; conventional $RETAINZ_CONV_DEV}}"
 cd {cwd} || {{ echo 125 > "$RUNDIR/rc"; exit 125; }}
 bash -c {command} </dev/null
 rc=$?
