@@ -1124,25 +1124,24 @@ cdef class Allocator:
     def victims(self, n, exclude=()):
         """Up to ``n`` GC victim candidates: full zones and active zones not in ``exclude``
         whose reset would gain space (full: C - L > 0; active: dead bytes W - L > 0), ordered by
-        least live bytes, then *latest* reclaim epoch first (a zone that empties soon on its own
-        is the worse victim), then zone index."""
+        most space gained (greedy: the gain is what the reset frees beyond the copies), then
+        least live bytes (copy cost), then *latest* reclaim epoch first (a zone that empties
+        soon on its own is the worse victim), then zone index."""
         ex = set(exclude)
         cdef ZView *v = &self.cv
         cands = []
         cdef int z
         for z in range(self.first_data_zone, self.nr_zones):
             if v.cond[z] == C_FULL:
-                if v.W[z] == 0 and v.L[z] == 0:
-                    continue            # finished while empty: nothing to gain but a reset
                 gain = self.zone_capacity - v.L[z]
             elif v.cond[z] == C_ACTIVE and z not in ex:
                 gain = v.W[z] - v.L[z]
             else:
                 continue
             if gain > 0:
-                cands.append((v.L[z], -self._reclaim(z), z))
+                cands.append((-gain, v.L[z], -self._reclaim(z), z))
         cands.sort()
-        return [c[2] for c in cands[:n]]
+        return [c[3] for c in cands[:n]]
 
     def cost(self, zone, size, hint, now):
         """RetainZ cost of placing ``min(size, free)`` bytes with ``hint`` into ``zone``

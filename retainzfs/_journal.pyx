@@ -192,20 +192,37 @@ class Journal:
             data = bytes(data) + bytes(bs - rem)
         return data
 
-    def flush(self, sync=True):
-        """Write pending records (padded) at the active zone's wp; roll when it is full."""
-        if self.pending:
-            data = self._padded(self.pending)
-            z = self.dev.zone(self.active)
-            if z.capacity - z.wp < len(data):
-                self.roll()          # the snapshot already contains everything pending
+    def prepare(self):
+        """Detach pending records (caller holds the namespace lock): a plan for ``commit``.
+
+        Returns None, ("append", padded bytes) or ("roll", image) where the image is a full
+        snapshot taken now, which already contains every pending record.
+        """
+        if not self.pending:
+            return None
+        data = self._padded(self.pending)
+        self.pending = bytearray()
+        z = self.dev.zone(self.active)
+        if z.capacity - z.wp < len(data):
+            return ("roll", self._image(self.seq + 1))
+        return ("append", data)
+
+    def commit(self, plan, sync=True):
+        """Write a prepared plan (caller holds the I/O lock only); optionally flush the device."""
+        if plan is not None:
+            if plan[0] == "append":
+                z = self.dev.zone(self.active)
+                self.dev.write(self.active, z.wp, plan[1])
+                self.bytes_written += len(plan[1])
             else:
-                self.dev.write(self.active, z.wp, data)
-                self.bytes_written += len(data)
-                self.pending = bytearray()
+                self._roll_with(plan[1])
         self.flushes += 1
         if sync:
             self.dev.flush()
+
+    def flush(self, sync=True):
+        """prepare + commit in one step (single-threaded users: mkfs, tests, recovery)."""
+        self.commit(self.prepare(), sync)
 
     def _image(self, seq):
         sb = dict(self.superblock)
@@ -220,9 +237,12 @@ class Journal:
 
     def roll(self):
         """Snapshot into the next metadata zone, then reset the old one (crash-safe order)."""
+        self.pending = bytearray()
+        self._roll_with(self._image(self.seq + 1))
+
+    def _roll_with(self, data):
         old = self.active
         new = (old + 1) % self.meta_zones
-        data = self._image(self.seq + 1)
         if len(data) > self.dev.zone(new).capacity:
             raise OSError(28, "metadata snapshot larger than a metadata zone")
         zn = self.dev.zone(new)
@@ -236,7 +256,6 @@ class Journal:
         self.bytes_written += len(data)
         self.seq += 1
         self.active = new
-        self.pending = bytearray()
         self.dev.reset(old)
         self.rolls += 1
 

@@ -180,6 +180,9 @@ class Store:
                       "zone_finishes": 0, "commits": 0, "enospc": 0, "gc_runs": 0}
         self.commit_ms: list[float] = []
         self.open_lru: dict[int, None] = {}
+        self._pending_resets: set[int] = set()
+        self._want_journal_flush = False
+        self._unsynced = False            # device writes not yet covered by a device flush
         self.replayed_records = 0
         self.journal_truncated = not info["clean"]
         self._load(info)
@@ -381,8 +384,6 @@ class Store:
             if self.alloc.summary(zone)["L"] <= 0:
                 self._pending_resets.add(zone)
 
-    _pending_resets: set = set()
-    _want_journal_flush = False
 
     # ------------------------------------------------------------------ namespace
     def root(self) -> Inode:
@@ -875,7 +876,9 @@ class Store:
                 with self.lock:
                     self.stats["enospc"] += 1
                 raise FsError(errno.ENOSPC, "no zone can take the data, even after GC")
-        raise FsError(errno.ENOSPC)
+        with self.lock:
+            self.stats["enospc"] += 1
+        raise FsError(errno.ENOSPC, "GC made no progress")
 
     def _finish_zone(self, z: int) -> None:
         if self.dev.zone(z).cond != ZoneCond.FULL:
@@ -903,6 +906,7 @@ class Store:
             self._ensure_open_slot(zone)
             zoff = self.dev.zone(zone).wp
             self.dev.write(zone, zoff, chunk)
+            self._unsynced = True
             with self.lock:
                 inode = self.inodes.get(ino)
                 self.alloc.note_write(zone, payload, hint.reclaim, True)
@@ -959,13 +963,20 @@ class Store:
             self._journal_flush(sync=False)
 
     def _journal_flush(self, sync: bool) -> None:
-        """Write queued records (io_lock held)."""
+        """Write queued records (io_lock held; the namespace lock only to detach them)."""
         with self.lock:
-            if not self.journal.has_pending() and not sync:
+            plan = self.journal.prepare()
+            if plan is None and not (sync and self._unsynced):
                 return
-            self._ensure_open_slot(self.journal.active)
-            self.journal.flush(sync=sync)
-            self.open_lru.pop(self.journal.active, None)
+            self._unsynced = False
+        if plan is not None:
+            nxt = self.journal.active if plan[0] == "append" else \
+                (self.journal.active + 1) % self.meta_zones
+            self._ensure_open_slot(nxt)
+        self.journal.commit(plan, sync=sync)
+        self.open_lru.pop(self.journal.active, None)
+        if not sync:
+            self._unsynced = True
 
     def commit(self, ino: int, durable: bool) -> None:
         """close(2) (durable=False) or fsync (durable=True): data + extents + attributes out."""
@@ -1095,6 +1106,7 @@ class Store:
             self._ensure_open_slot(zone)
             zoff = self.dev.zone(zone).wp
             self.dev.write(zone, zoff, chunk)
+            self._unsynced = True
             with self.lock:
                 self.alloc.note_write(zone, payload, h.reclaim, True)
                 if nbytes > payload:

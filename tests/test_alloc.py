@@ -531,8 +531,9 @@ def test_victims_order():
     a.note_dead(4, 200, 50)              # active, L=300, 200 dead
     fill(a, 5, 500, 50)                  # active, nothing dead: nothing to gain
     fill(a, 6, 1000, 70)                 # full and all live: nothing to gain
-    assert a.victims(10) == [3, 4, 2, 1]     # least live; ties: latest reclaim epoch first
-    assert a.victims(2) == [3, 4]
+    # most gained (C - L full, W - L active); then least live; then latest reclaim epoch
+    assert a.victims(10) == [3, 2, 1, 4]
+    assert a.victims(2) == [3, 2]
     assert a.victims(10, exclude=[4]) == [3, 2, 1]
 
 

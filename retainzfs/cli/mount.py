@@ -73,15 +73,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _is_stale(mnt: str) -> bool:
+    """A retainzfs mount whose daemon died: statfs always reaches the daemon (stat may be
+    answered from the kernel's attribute cache for up to a second), so ENOTCONN there means
+    nobody serves the mount any more."""
+    if not is_retainzfs_mount(mnt):
+        return False
+    try:
+        os.statvfs(mnt)
+        return False
+    except OSError as e:
+        return e.errno == errno.ENOTCONN
+
+
+def _clear_stale(mnt: str) -> None:
+    subprocess.run(["fusermount3", "-u", "-z", mnt], check=False,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print(f"mount.retainzfs: cleared stale mount at {mnt}", file=sys.stderr)
+
+
 def _check_mountpoint(mnt: str) -> None:
     try:
         st = os.stat(mnt)
+        if _is_stale(mnt):
+            _clear_stale(mnt)
+            st = os.stat(mnt)
     except OSError as e:
         if e.errno == errno.ENOTCONN:     # a daemon died (kill -9): clear the stale mount
-            subprocess.run(["fusermount3", "-u", "-z", mnt], check=False,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            print(f"mount.retainzfs: cleared stale mount at {mnt}", file=sys.stderr)
-            st = os.stat(mnt)
+            _clear_stale(mnt)
+            try:
+                st = os.stat(mnt)
+            except OSError as e2:
+                die(f"mountpoint {mnt}: {e2.strerror}")
         elif e.errno == errno.ENOENT:
             die(f"mountpoint {mnt} does not exist")
         else:

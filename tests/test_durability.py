@@ -1,0 +1,493 @@
+"""Durability and bad input through real mounts: remount, kill -9, latest-K reclaim, corrupt
+journal, ENOSPC, and the one-line errors of the CLI."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import MKFS, MOUNT, RETAINZFS, daemon_pids, is_mounted, run
+
+MiB = 1 << 20
+
+
+def sha_bytes(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def sha(path) -> str:
+    with open(path, "rb") as f:
+        return sha_bytes(f.read())
+
+
+def tree_digest(root) -> dict[str, str]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in filenames:
+            p = os.path.join(dirpath, n)
+            out[os.path.relpath(p, root)] = sha(p)
+    return out
+
+
+def fsck(img) -> tuple[int, str]:
+    p = run(RETAINZFS, "fsck", img, check=False)
+    return p.returncode, p.stdout + p.stderr
+
+
+def assert_fsck_clean(img) -> str:
+    rc, out = fsck(img)
+    assert rc == 0 and " 0 problems" in out, out
+    return out
+
+
+def status_json(path) -> dict:
+    return json.loads(run(RETAINZFS, "status", "--json", path).stdout)
+
+
+# ---------------------------------------------------------------------------- clean remount
+
+def test_clean_unmount_remount_keeps_every_byte(mounted):
+    rng = random.Random(1)
+    sizes = [0, 1, 4095, 4096, 4097, 65536, 1 << 20, 4 * MiB - 1, 4 * MiB, 4 * MiB + 1, 9 * MiB + 333]
+    for i in range(150):
+        d = mounted / f"dir{i % 7}" / f"sub{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        size = sizes[i] if i < len(sizes) else rng.randrange(0, 600_000)
+        with open(d / f"file{i}", "wb") as f:
+            # mixed write sizes, like framework writers
+            data = rng.randbytes(size)
+            pos = 0
+            while pos < size:
+                n = rng.choice([4096, 65536, 1 << 20, 12345])
+                f.write(data[pos:pos + n])
+                pos += n
+    # overwrites and appends on some of them
+    for i in range(0, 150, 10):
+        p = mounted / f"dir{i % 7}" / f"sub{i % 3}" / f"file{i}"
+        with open(p, "r+b") as f:
+            f.seek(os.path.getsize(p) // 2)
+            f.write(rng.randbytes(5000))
+        with open(p, "ab") as f:
+            f.write(rng.randbytes(7000))
+    before = tree_digest(mounted.path)
+    st_before = mounted.status()
+    mounted.umount()
+    out = assert_fsck_clean(mounted.img)
+    assert "150 files" in out
+    offline = status_json(mounted.img)             # status of an unmounted image
+    assert offline["live_bytes"] == st_before["live_bytes"]
+    mounted.mount()
+    assert tree_digest(mounted.path) == before
+    mounted.remount()                              # and again (after the first replay/repair)
+    assert tree_digest(mounted.path) == before
+    assert mounted.status()["live_bytes"] == st_before["live_bytes"]
+
+
+# ---------------------------------------------------------------------------- kill -9
+
+WRITER = r"""
+import hashlib, os, random, sys
+root, seed = sys.argv[1], int(sys.argv[2])
+rng = random.Random(seed)
+i = 0
+while True:
+    d = os.path.join(root, f"gen{i // 10}")
+    os.makedirs(d, exist_ok=True)
+    size = rng.choice([rng.randrange(1, 200_000), rng.randrange(1 << 20, 9 << 20)])
+    data = rng.randbytes(size)
+    tmp = os.path.join(d, f"f{i}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for pos in range(0, size, 1 << 20):
+        os.write(fd, data[pos:pos + (1 << 20)])
+    os.fsync(fd)
+    os.close(fd)
+    print("SYNCED", tmp, hashlib.sha256(data).hexdigest(), flush=True)
+    final = os.path.join(d, f"f{i}")
+    os.rename(tmp, final)
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    os.fsync(dfd)
+    os.close(dfd)
+    print("RENAMED", tmp, final, flush=True)
+    if i % 10 == 9 and i >= 30:                       # delete old generations as we go
+        old = os.path.join(root, f"gen{i // 10 - 3}")
+        for n in os.listdir(old):
+            os.unlink(os.path.join(old, n))
+        os.rmdir(old)
+        print("REMOVED", old, flush=True)
+    # an unsynced file in flight: may be lost, must never be garbage if present
+    with open(os.path.join(d, f"u{i}"), "wb") as f:
+        f.write(bytes([i % 251]) * rng.randrange(1, 3 << 20))
+    i += 1
+"""
+
+
+def _run_writer_and_kill(m, root: str, seed: int, min_synced: int) -> dict:
+    """Start the writer, kill -9 the daemon once it has fsynced ``min_synced`` files.
+
+    Returns path -> sha256 of every file whose fsync (and, for final names, whose rename +
+    fsync of the directory) returned, minus generations whose removal had started.
+    """
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(m.path / root), str(seed)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    synced: dict[str, str] = {}
+    n = 0
+
+    def handle(line: str) -> None:
+        nonlocal n
+        parts = line.split()
+        if not parts:
+            return
+        if parts[0] == "SYNCED":
+            synced[parts[1]] = parts[2]
+            n += 1
+        elif parts[0] == "RENAMED":
+            synced[parts[2]] = synced.pop(parts[1])
+        elif parts[0] == "REMOVED":
+            for k in [k for k in synced if k.startswith(parts[1] + "/")]:
+                del synced[k]
+    try:
+        for line in proc.stdout:
+            handle(line)
+            if n == min_synced:
+                m.kill()                 # mid-way: the writer is writing the next file
+                break
+        out, err = proc.communicate(timeout=30)   # what it acknowledged before the mount died
+        for line in out.splitlines():
+            handle(line)
+        assert proc.returncode != 0
+        assert "Errno 107" in err or "Errno 103" in err or "not connected" in err, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return synced
+
+
+def _gen(path: str) -> int:
+    return int(path.rsplit("/gen", 1)[1].split("/")[0])
+
+
+def _check_synced(m, root: str, synced: dict) -> None:
+    top = max(map(_gen, synced))
+    for path, digest in synced.items():
+        if not os.path.exists(path) and path.endswith(".tmp"):
+            path = path[:-4]                      # renamed, acknowledgement not printed yet
+        if not os.path.exists(path) and _gen(path) <= top - 3:
+            continue                              # its generation was being removed
+        assert os.path.exists(path), f"{path}: fsynced, missing after kill -9"
+        assert sha(path) == digest, f"{path}: content differs after kill -9"
+    for dirpath, _, files in os.walk(m.path / root):
+        for name in files:
+            if name.startswith("u"):         # never fsynced: gone, empty or its own bytes only
+                data = open(os.path.join(dirpath, name), "rb").read()
+                fill = bytes([int(name[1:]) % 251])
+                assert data.strip(fill) == b"", f"{name}: unsynced file holds foreign bytes"
+
+
+def test_kill9_during_writes_then_remount(image, mount_image):
+    m = mount_image(image)
+    synced = _run_writer_and_kill(m, "data1", seed=7, min_synced=45)
+    assert len(synced) >= 20
+    # the mount is stale now (ENOTCONN); mount.retainzfs clears it and mounts again
+    with pytest.raises(OSError) as ei:
+        os.listdir(m.path)
+    assert ei.value.errno == errno.ENOTCONN
+    p = run(MOUNT, image, m.path, "-o", f"log={m.log}")
+    assert "stale" in p.stderr
+    assert is_mounted(m.path)
+    m.pid = daemon_pids(image, m.path)[0]
+    m.pids_seen.add(m.pid)
+    _check_synced(m, "data1", synced)
+    # a second crash right after recovery, in the middle of more writes
+    synced2 = _run_writer_and_kill(m, "data2", seed=8, min_synced=15)
+    m.mount()                      # Mount.mount runs mount.retainzfs, which clears the stale mount
+    _check_synced(m, "data1", synced)
+    _check_synced(m, "data2", synced2)
+    m.umount()
+    assert_fsck_clean(image)             # per-zone live bytes == extent map, wp == summary
+    m.mount()
+    _check_synced(m, "data1", synced)
+    _check_synced(m, "data2", synced2)
+
+
+# ---------------------------------------------------------------------------- latest-K loop
+
+def test_latest_k_loop_resets_zones(mounted):
+    """>= 100 generations with keep_latest=3 on a 1 GiB image: no ENOSPC, zones reset."""
+    run_dir = mounted / "run"
+    run_dir.mkdir()
+    (run_dir / ".retainz").write_text("keep_latest = 3\ncadence = 10\n")
+    shard = random.Random(2).randbytes(6 * MiB + 4096 * 3 + 100)
+    gens = 110
+    for g in range(1, gens + 1):
+        step = run_dir / f"step-{g * 10}"
+        step.mkdir()
+        for s in range(2):
+            with open(step / f"shard{s}.distcp", "wb") as f:
+                f.write(shard[s * 1000:])
+        with open(step / ".metadata", "wb") as f:
+            f.write(json.dumps({"step": g * 10}).encode() * 20)
+        if g > 3:
+            subprocess.run(["rm", "-r", str(run_dir / f"step-{(g - 3) * 10}")], check=True)
+    written = gens * 2 * len(shard)
+    assert written > 1.2 * (1 << 30)            # more than the device: reclaim had to work
+    assert sorted(os.listdir(run_dir)) == [".retainz", "step-1080", "step-1090", "step-1100"]
+    h = json.loads(os.getxattr(run_dir / "step-1100" / "shard0.distcp", "user.retainz.hint"))
+    assert (h["birth"], h["reclaim"]) == (1100, 1130)
+    st = status_json(mounted.path)
+    assert st["zone_resets"] > 0
+    assert st["enospc"] == 0 and not st["capacity_stop"]
+    assert st["free_bytes"] > 700 * MiB
+    for n in ("step-1080", "step-1090", "step-1100"):
+        assert (run_dir / n / "shard1.distcp").read_bytes() == shard[1000:]
+    mounted.umount()
+    assert_fsck_clean(mounted.img)
+
+
+# ---------------------------------------------------------------------------- corrupt journal
+
+def _last_record(img):
+    """(zone, offset in zone, length) of the last journal record, read via the device layer."""
+    from retainzfs import _journal as J
+    from retainzfs.device import open_device
+    dev = open_device(str(img))
+    try:
+        info = J.Journal.find_latest(dev, 3)
+        rtype, payload, off = info["records"][-1]
+        return info["zone"], off, len(payload) + J.HEADER_SIZE, rtype, dev._data_off, dev.zone_size
+    finally:
+        dev.close()
+
+
+def test_corrupt_journal_record(mounted):
+    files = {}
+    for i in range(20):
+        data = random.Random(i).randbytes(random.Random(i).randrange(1000, 3 * MiB))
+        with open(mounted / f"f{i}", "wb") as f:
+            f.write(data)
+            os.fsync(f.fileno())
+        files[f"f{i}"] = sha_bytes(data)
+    (mounted / "dir").mkdir()
+    os.sync()
+    os.setxattr(mounted.path, "user.last", b"the last record")     # one INODE record, last
+    mounted.umount()
+    zone, off, length, rtype, data_off, zsize = _last_record(mounted.img)
+    pos = data_off + zone * zsize + off + length // 2
+    with open(mounted.img, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x5A]))
+    rc, out = fsck(mounted.img)
+    assert "truncated" in out and "Traceback" not in out
+    mounted.mount()                                      # mount succeeds
+    st = mounted.status()
+    assert st["journal_truncated"] is True
+    assert "user.last" not in os.listxattr(mounted.path)  # the corrupt record was dropped ...
+    for name, digest in files.items():                   # ... and nothing before it
+        assert sha(mounted / name) == digest, name
+    assert (mounted / "dir").is_dir()
+    # the filesystem keeps working and the next mount sees a clean journal
+    (mounted / "after").write_bytes(b"after")
+    mounted.remount()
+    assert (mounted / "after").read_bytes() == b"after"
+    assert mounted.status()["journal_truncated"] is False
+    for name, digest in files.items():
+        assert sha(mounted / name) == digest, name
+    mounted.umount()
+    assert_fsck_clean(mounted.img)
+
+
+# ---------------------------------------------------------------------------- ENOSPC
+
+def test_enospc_keeps_committed_files(make_image, mount_image):
+    img = make_image(size="64M")
+    m = mount_image(img)
+    committed = {}
+    hit = None
+    for i in range(100):
+        data = random.Random(i).randbytes(3 * MiB + 1234)
+        p = m / f"f{i}"
+        try:
+            with open(p, "wb") as f:
+                for pos in range(0, len(data), MiB):
+                    f.write(data[pos:pos + MiB])
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            hit = e
+            break
+        committed[p.name] = sha_bytes(data)
+    assert hit is not None and hit.errno == errno.ENOSPC, hit
+    assert len(committed) >= 8
+    for name, digest in committed.items():
+        assert sha(m / name) == digest, name
+    st = m.status()
+    assert st["capacity_stop"] and st["enospc"] > 0
+    # more writes keep failing cleanly; small ones too
+    with pytest.raises(OSError) as ei:
+        with open(m / "more", "wb") as f:
+            f.write(os.urandom(8 * MiB))
+            os.fsync(f.fileno())
+    assert ei.value.errno == errno.ENOSPC
+    m.remount()
+    for name, digest in committed.items():
+        assert sha(m / name) == digest, name
+    # deleting makes room again
+    for name in list(committed)[:4]:
+        os.unlink(m / name)
+        del committed[name]
+    time.sleep(0.2)
+    data = os.urandom(5 * MiB)
+    with open(m / "again", "wb") as f:
+        f.write(data)
+        os.fsync(f.fileno())
+    assert sha(m / "again") == sha_bytes(data)
+    m.umount()
+    assert_fsck_clean(img)
+    m.mount()
+    for name, digest in committed.items():
+        assert sha(m / name) == digest, name
+
+
+# ---------------------------------------------------------------------------- bad input
+
+def one_line_error(p: subprocess.CompletedProcess, *needles: str) -> str:
+    assert p.returncode != 0, p
+    err = p.stderr.strip()
+    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout, p.stderr
+    assert len(err.splitlines()) == 1, f"not one line: {p.stderr!r}"
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+def test_bad_targets(tmp_path, make_image):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    missing = tmp_path / "missing.zns"
+    one_line_error(run(MKFS, missing, check=False), "missing.zns")
+    one_line_error(run(MOUNT, missing, mnt, check=False), "missing.zns")
+    one_line_error(run(RETAINZFS, "status", missing, check=False))
+    one_line_error(run(RETAINZFS, "fsck", missing, check=False))
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(random.Random(0).randbytes(8 * MiB))
+    one_line_error(run(MOUNT, junk, mnt, check=False), "junk.bin")
+    one_line_error(run(MKFS, junk, check=False), "junk.bin")     # not an image: refused, untouched
+    assert junk.read_bytes() == random.Random(0).randbytes(8 * MiB)
+    one_line_error(run(RETAINZFS, "fsck", junk, check=False))
+    one_line_error(run(RETAINZFS, "status", junk, check=False))
+    one_line_error(run(MOUNT, tmp_path, mnt, check=False))       # a directory as the target
+    # an emulated zoned image that was never formatted
+    from retainzfs.device import create_image
+    raw = tmp_path / "raw.zns"
+    create_image(str(raw), 64 * MiB, 4 * MiB).close()
+    err = one_line_error(run(MOUNT, raw, mnt, check=False), "mkfs")
+    assert "not a retainzfs" in err
+    one_line_error(run(RETAINZFS, "fsck", raw, check=False), "mkfs")
+    assert not is_mounted(mnt)
+    # bad sizes / geometry
+    one_line_error(run(MKFS, "--size", "1X", tmp_path / "x.zns", check=False))
+    one_line_error(run(MKFS, "--size", "64M", "--zone-size", "3M", tmp_path / "y.zns", check=False))
+    one_line_error(run(MKFS, "--size", "8M", tmp_path / "z.zns", check=False))
+    # a missing mountpoint; a file as mountpoint
+    img = make_image(size="64M")
+    one_line_error(run(MOUNT, img, tmp_path / "nomnt", check=False), "nomnt")
+    one_line_error(run(MOUNT, img, junk, check=False))
+    one_line_error(run(MOUNT, img, mnt, "-o", "bogus=1", check=False), "bogus")
+    # mkfs refuses to overwrite a filesystem without --force
+    one_line_error(run(MKFS, img, check=False), "--force")
+
+
+def test_mountpoint_in_use_and_image_in_use(make_image, mount_image, tmp_path):
+    a, b = make_image(size="64M"), make_image(size="64M")
+    m = mount_image(a)
+    (m / "keep").write_bytes(b"keep")
+    err = one_line_error(run(MOUNT, b, m.path, check=False), "in use")
+    assert str(m.path) in err
+    other = tmp_path / "other"
+    other.mkdir()
+    one_line_error(run(MOUNT, a, other, check=False), "in use")        # image already mounted
+    one_line_error(run(MKFS, "--force", a, check=False), "mounted")
+    one_line_error(run(RETAINZFS, "fsck", a, check=False), "mounted")
+    assert not is_mounted(other)
+    assert (m / "keep").read_bytes() == b"keep"                        # the live mount is fine
+    st = status_json(a)                                                # status by image -> mount
+    assert st["files"] == 1
+
+
+def test_bad_xattr_value(mounted):
+    p = mounted / "f"
+    p.write_bytes(b"x" * 1000)
+    os.setxattr(p, "user.retainz.reclaim", b"300")
+    for bad in (b"abc", b"", b"1.5", b"-", b"12abc"):
+        with pytest.raises(OSError) as ei:
+            os.setxattr(p, "user.retainz.reclaim", bad)
+        assert ei.value.errno == errno.EINVAL
+    with pytest.raises(OSError) as ei:
+        os.setxattr(p, "user.retainz.birth", b"-5")
+    assert ei.value.errno == errno.EINVAL
+    assert os.getxattr(p, "user.retainz.reclaim") == b"300"          # nothing changed
+    with pytest.raises(OSError) as ei:
+        os.getxattr(p, "user.retainz.birth")
+    assert ei.value.errno == errno.ENODATA
+    # a real program gets EINVAL too
+    r = run("setfattr", "-n", "user.retainz.reclaim", "-v", "abc", p, check=False)
+    assert r.returncode != 0 and "Invalid argument" in r.stderr
+    (mounted / "d").mkdir()
+    with pytest.raises(OSError) as ei:
+        os.setxattr(mounted / "d", "user.retainz.reclaim", b"abc")
+    assert ei.value.errno == errno.EINVAL
+    assert "user.retainz.reclaim" not in os.listxattr(mounted / "d")
+    # virtual xattrs are read-only
+    with pytest.raises(OSError):
+        os.setxattr(p, "user.retainz.zones", b"1")
+    os.setxattr(p, "user.retainz.reclaim", b"inf")
+    assert os.getxattr(p, "user.retainz.reclaim") == b"inf"
+    mounted.remount()
+    assert os.getxattr(p, "user.retainz.reclaim") == b"inf"
+    assert p.read_bytes() == b"x" * 1000
+
+
+def test_malformed_retainz_policy(mounted):
+    run_dir = mounted / "run"
+    run_dir.mkdir()
+    (run_dir / ".retainz").write_text("keep_latest = 3\ncadence = 100\n")
+    (run_dir / "step-100").mkdir()
+    data = os.urandom(2 * MiB)
+    (run_dir / "step-100" / "shard").write_bytes(data)
+    h = json.loads(os.getxattr(run_dir / "step-100" / "shard", "user.retainz.hint"))
+    assert h["reclaim"] == 400
+    for bad in ("keep_latest = 'three'\n", "keep_latest = = 3\n", "preset = \"nope\"\n",
+                "unknown_key = 1\n", "generation = '('\n", "keep_latest = -1\n"):
+        f = open(run_dir / ".retainz", "w")
+        f.write(bad)
+        with pytest.raises(OSError) as ei:
+            f.close()                               # refused at close, with EINVAL
+        assert ei.value.errno == errno.EINVAL, bad
+        st = status_json(mounted.path)
+        errs = st["policy_errors"]
+        assert "/run" in errs and errs["/run"], errs
+        text = run(RETAINZFS, "status", mounted.path).stdout
+        assert "policy error" in text
+    assert (run_dir / "step-100" / "shard").read_bytes() == data      # previous data intact
+    # the previous valid policy still applies to new generations
+    (run_dir / "step-200").mkdir()
+    (run_dir / "step-200" / "shard").write_bytes(b"y" * 100_000)
+    h = json.loads(os.getxattr(run_dir / "step-200" / "shard", "user.retainz.hint"))
+    assert h["reclaim"] == 500
+    assert "Traceback" not in mounted.daemon_log()
+    assert ".retainz" in mounted.daemon_log()                           # and a log line
+    # fixing the file clears the error
+    (run_dir / ".retainz").write_text("keep_latest = 2\ncadence = 100\n")
+    assert status_json(mounted.path)["policy_errors"] == {}
+    mounted.remount()
+    assert (run_dir / "step-100" / "shard").read_bytes() == data
+    assert status_json(mounted.path)["policy_errors"] == {}
