@@ -126,14 +126,17 @@ cdef extern from "<time.h>" nogil:
         long tv_nsec
     int clock_gettime(int clk, timespec *tp)
     int CLOCK_MONOTONIC
+    int CLOCK_THREAD_CPUTIME_ID
 
 cdef extern from *:
     int __builtin_ctzll(unsigned long long x) nogil
 
 
 cdef inline int64_t _now_ns() noexcept nogil:
+    """Thread CPU time: placement cost without the time the thread waited for a CPU (the
+    benchmark machines are shared; wall time would measure the neighbours)."""
     cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts)
     return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
 
 
@@ -798,6 +801,35 @@ cdef class Allocator:
             return 0
         return self._open_new(v, s, now, can_new)
 
+    cdef int _d_tails(self, ZView *v, int64_t s, double d, double now, int file_lt) noexcept:
+        """Compatible tails only (see ``place(tails_only=True)``); never a new zone."""
+        cdef int i, z, diff, best = -1
+        cdef int best_diff = DIFF_NOT_GOOD
+        cdef double bc = INFINITY
+        if self.mode == M_ZENFS:
+            for i in range(v.n_act):
+                z = v.act[i]
+                if self.vfin[z] or self.skip[z] or self.zone_capacity - v.W[z] <= 0:
+                    continue
+                diff = _lifetime_diff(v.life[z], file_lt)
+                if diff < DIFF_NOT_GOOD and (diff < best_diff or (diff == best_diff and z > best)):
+                    best = z
+                    best_diff = diff
+            if best < 0:
+                return -1
+            self._take(v, best, s, K_FALLBACK, <double>best_diff)
+            return 0
+        if d == INFINITY:
+            z = self._bestfit(v, s, F_ANCHOR, -1, d)
+        elif self.mode == M_RETAINZ:
+            z = self._rz_scan(v, s, d, now, 0.0, False, &bc)
+        else:
+            z = self._bestfit(v, s, F_FINITE, -1, d)
+        if z < 0:
+            return -1
+        self._take(v, z, s, K_FALLBACK, 0.0 if bc == INFINITY else bc)
+        return 0
+
     cdef int _d_zenfs(self, ZView *v, int64_t s, int file_lt, bint can_new) noexcept:
         """Port of ZonedBlockDevice::AllocateIOZone for a non-WAL file (see module docstring)."""
         cdef int i, z, diff
@@ -851,7 +883,7 @@ cdef class Allocator:
 
     # ------------------------------------------------------------------ public API
     def place(self, size, hint, birth, now, stream=0, save_size=0, *, allow_reserve=False,
-              exclude=None):
+              exclude=None, tails_only=False):
         """Where to put the next chunk: ``(zone, nbytes, finish)``.
 
         ``size`` block-padded bytes still to place; ``hint`` reclaim epoch (``inf``/None for
@@ -861,18 +893,24 @@ cdef class Allocator:
         the rest.  ``finish``: zones to finish (then ``note_finish``) before writing.
         ``allow_reserve`` lets the call open one of the last ``gc_reserve`` empty zones (GC
         relocation, common admission); ``exclude`` zones that must not be chosen (e.g. the GC
-        victim).  Raises ``NoSpace``.
+        victim).  ``tails_only`` (common admission, GC relocation fallback): only the free tails
+        of active zones that are *compatible* with the data -- for zenfs the zones its
+        ``GetLifeTimeDiff`` does not rate NOT_GOOD (lowest diff, ties to the highest index, as
+        ``GetBestOpenZoneMatch``), for every other policy the zones of the same class (anchors
+        with anchor-only zones, finite hints with zones without anchors), ranked by the policy's
+        fallback order (retainz family: the cost with the span rule relaxed; equal-epoch and
+        isolate: best fit); never opens or finishes a zone.  Raises ``NoSpace``.
         """
         cdef int64_t t0 = _now_ns()
         try:
             return self._place(size, hint, birth, now, stream, save_size, allow_reserve,
-                               exclude)
+                               exclude, tails_only)
         finally:
             self.n_places += 1
             self.place_ns += _now_ns() - t0
 
     cdef tuple _place(self, size, hint, birth, now, stream, save_size, bint allow_reserve,
-                      exclude):
+                      exclude, bint tails_only=False):
         cdef int64_t s = size
         cdef int64_t ss = save_size if save_size else 0
         if s <= 0:
@@ -922,7 +960,9 @@ cdef class Allocator:
         # an excluded empty zone cannot be opened: look for the next one
         if v.first_empty >= 0 and self.skip[v.first_empty]:
             v.first_empty = self._next_empty(v, 0)
-        if self.mode == M_ZENFS:
+        if tails_only:
+            rc = self._d_tails(v, s, d, fnow, life)
+        elif self.mode == M_ZENFS:
             rc = self._d_zenfs(v, s, life, can_new)
         elif self.mode == M_EQUAL:
             rc = self._d_equal(v, s, d, fnow, can_new)
@@ -1174,7 +1214,8 @@ cdef class Allocator:
                 "window": self.last_window, "lifetime": WLTH_NAMES[self.last_life]}
 
     def stats(self):
-        """Counters; ``ns`` = total time in place() plus summary upkeep (note_*)."""
+        """Counters; ``ns`` = total time in place() plus summary upkeep (note_*), in thread CPU
+        nanoseconds."""
         return {"policy": self.policy, "fullscan": bool(self.fullscan),
                 "places": self.n_places, "place_ns": self.place_ns,
                 "notes": self.n_notes, "note_ns": self.note_ns,

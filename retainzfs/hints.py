@@ -25,17 +25,32 @@ VIRTUAL_XATTRS = (XATTR_ZONES, XATTR_HINT, XATTR_STATUS)
 POLICY_NAME = b".retainz"
 INF = math.inf
 
-#: generation-name patterns of each framework preset (group 1 = birth epoch)
+#: generation-name patterns of each framework preset (group 1 = birth epoch), checked against
+#: the layouts the real frameworks write (tests/test_frameworks.py):
+#:   torchtitan  <folder>/step-100/{__0_0.distcp,.metadata}          (CheckpointManager)
+#:   megatron    <save>/iter_0000100/...  (7-digit, zero padded)      (get_checkpoint_name)
+#:   hf          <output_dir>/checkpoint-500/model-00001-of-00002.safetensors ... (Trainer;
+#:               transformers 4.36-4.38 wrote tmp-checkpoint-500/ and renamed it)
+#:   lightning   <dirpath>/epoch=0-step=100.ckpt, epoch=0-step=100-v1.ckpt, ...-val_loss=0.12.ckpt
+#:   dcp         step-100/, checkpoint_100/, ckpt-7.pt, epoch=3.pth (dirs or single files)
 PRESETS: dict[str, str] = {
     "torchtitan": r"^step-(\d+)$",
     "megatron": r"^iter_(\d+)$",
-    "hf": r"^checkpoint-(\d+)$",
-    "lightning": r"step=(\d+)",
-    "dcp": r"^(?:step|checkpoint|ckpt|epoch)[-_=]?(\d+)$",
+    "hf": r"^(?:tmp-)?checkpoint-(\d+)$",
+    "lightning": r"(?:^|[-_])step=(\d+)(?=[-_.]|$)",
+    "dcp": r"^(?:step|checkpoint|ckpt|epoch)[-_=]?(\d+)(?:\.[A-Za-z0-9]+)?$",
+}
+#: "rolling" files of each preset: not a generation, rewritten (or replaced) at every save, so
+#: the data written now die at the next save: birth = newest generation beside it, reclaim =
+#: birth + cadence.  Megatron's tracker file is rewritten in place after each save; Lightning's
+#: ``last.ckpt`` (save_last=True) is rewritten at each save (save_last="link" makes it a symlink).
+ROLLING: dict[str, str] = {
+    "megatron": r"^latest_checkpointed_iteration\.txt$",
+    "lightning": r"^last(?:-v\d+)?\.ckpt$",
 }
 DEFAULT_GENERATION = r"(?:step|iter|checkpoint|ckpt|epoch)[-_=]?(\d+)"
 _POLICY_KEYS = {"preset", "keep_latest", "cadence", "generation", "milestone_every", "stream",
-                "retain_interval"}
+                "retain_interval", "rolling"}
 
 
 class HintError(ValueError):
@@ -72,6 +87,8 @@ class Policy:
     preset: str | None = None
     stream: int | None = None
     pattern: re.Pattern = field(default=re.compile(DEFAULT_GENERATION), compare=False, repr=False)
+    rolling: str | None = None
+    rolling_pattern: re.Pattern | None = field(default=None, compare=False, repr=False)
 
 
 def parse_int_xattr(name: bytes, value: bytes) -> int:
@@ -149,7 +166,18 @@ def parse_policy(data: bytes) -> Policy:
     stream = doc.get("stream")
     if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int) or stream < 0):
         raise HintError(".retainz: stream must be an integer >= 0")
-    return Policy(keep, cadence, gen, milestone, preset, stream, pat)
+    rolling = doc.get("rolling", ROLLING.get(preset) if preset else None)
+    rpat = None
+    if rolling is not None:
+        if not isinstance(rolling, str):
+            raise HintError(".retainz: rolling must be a regex string")
+        if rolling:                       # rolling = "" switches a preset's rolling rule off
+            try:
+                rpat = re.compile(rolling)
+            except re.error as e:
+                raise HintError(f".retainz: rolling regex {rolling!r}: {e}") from None
+    return Policy(keep, cadence, gen, milestone, preset, stream, pat,
+                  rolling=rolling or None, rolling_pattern=rpat)
 
 
 def generation_birth(policy: Policy, name: str) -> int | None:
@@ -192,6 +220,23 @@ def derive_hint(policy: Policy, components: list[str], sibling_births: list[int]
         cadence = policy.cadence or infer_cadence(sibling_births + [birth]) or max(birth, 1)
         return Hint(birth, float(birth + cadence * policy.keep_latest), stream, "policy")
     return None
+
+
+def nongeneration_hint(policy: Policy, components: list[str], sibling_births: list[int],
+                       stream: int) -> Hint:
+    """Hint of a path below a policy directory that is not inside a generation.
+
+    A *rolling* file (the policy's ``rolling`` regex on the file name, e.g. Megatron's
+    ``latest_checkpointed_iteration.txt``) holds what the newest save wrote and is replaced by the
+    next one: ``birth`` = the newest generation among its siblings, ``reclaim`` = birth + cadence.
+    Everything else (and a rolling file with no generation beside it yet) is an anchor.
+    """
+    name = components[-1] if components else ""
+    if policy.rolling_pattern is not None and policy.rolling_pattern.search(name) and sibling_births:
+        birth = max(sibling_births)
+        cadence = policy.cadence or infer_cadence(sibling_births) or max(birth, 1)
+        return Hint(birth, float(birth + cadence), stream, "policy-rolling")
+    return Hint(0, INF, stream, "policy-nongeneration")
 
 
 def round_hint(hint: float, grid: int) -> float:

@@ -75,8 +75,14 @@ def _key(stream: int, gen: int, fidx: int) -> int:
     return int.from_bytes(h, "little") & 0xFFFFFF          # 24 bits
 
 
-def pattern(stream: int, gen: int, fidx: int, off: int, n: int, seeded: bool = False) -> bytes:
-    """Expected bytes ``[off, off + n)`` of file ``fidx`` of generation ``(stream, gen)``."""
+_BASE = np.arange(IO_SIZE // 8 + 2, dtype=np.uint64)
+
+
+def pattern(stream: int, gen: int, fidx: int, off: int, n: int, seeded: bool = False):
+    """Expected bytes ``[off, off + n)`` of file ``fidx`` of generation ``(stream, gen)``.
+
+    Returns a fresh, never-reused buffer (bytes or a read-only uint8 memoryview): the store's
+    write buffer keeps references to what it is given instead of copying it."""
     if n <= 0:
         return b""
     if seeded:
@@ -95,11 +101,17 @@ def pattern(stream: int, gen: int, fidx: int, off: int, n: int, seeded: bool = F
         return bytes(out)
     w0 = off >> 3
     w1 = (off + n + 7) >> 3
-    words = np.arange(w0, w1, dtype=np.uint64)
-    words |= np.uint64(_key(stream, gen, fidx) << 40)
-    raw = words.astype("<u8", copy=False).tobytes()
+    top = np.uint64((_key(stream, gen, fidx) << 40) | w0)
+    if w1 - w0 <= len(_BASE):
+        words = _BASE[:w1 - w0] + top
+    else:
+        words = np.arange(w1 - w0, dtype=np.uint64) + top
+    if sys.byteorder != "little":
+        words = words.byteswap()
     s = off - (w0 << 3)
-    return raw[s:s + n]
+    raw = words.view(np.uint8)[s:s + n]
+    raw.flags.writeable = False
+    return memoryview(raw)
 
 
 # --------------------------------------------------------------------------- replay
@@ -162,7 +174,8 @@ class _Replayer:
             self.stream_dirs[stream] = ino
         return ino
 
-    def _save(self, ev: wl.SaveEvent) -> None:
+    def _save(self, ev: wl.SaveEvent) -> float:
+        """Write one generation; returns the seconds spent generating pattern bytes."""
         st = self.store
         sdir = self._stream_dir(ev.stream)
         gname = f"g{ev.gen}".encode()
@@ -174,19 +187,25 @@ class _Replayer:
         declare = getattr(st, "declare_save", None)
         if declare is not None:
             declare(g, sum(_padded(f.size, self.spec.block_size) for f in ev.files))
-        for fidx, f in enumerate(ev.files):
+        gen_s = 0.0                    # pattern generation is the runtime's serialization:
+        self.gen_cpu = 0.0
+        for fidx, f in enumerate(ev.files):    # excluded from the save's latency
             ino = st.create(g, f.name.encode(), 0o644).ino
             st.open(ino)
             try:
                 off = 0
                 while off < f.size:
                     n = min(IO_SIZE, f.size - off)
-                    st.write(ino, off, pattern(ev.stream, ev.gen, fidx, off, n,
-                                               self.o.seed_bytes))
+                    t, tc = time.perf_counter(), time.thread_time()
+                    data = pattern(ev.stream, ev.gen, fidx, off, n, self.o.seed_bytes)
+                    gen_s += time.perf_counter() - t
+                    self.gen_cpu += time.thread_time() - tc
+                    st.write(ino, off, data)
                     off += n
                 st.commit(ino, durable=True)
             finally:
                 st.release(ino)
+        return gen_s
 
     def _abort_save(self, ev: wl.SaveEvent) -> None:
         """Remove what a failed save left behind (the runtime's cleanup)."""
@@ -260,6 +279,7 @@ class _Replayer:
         completed = issued = 0
         stop_event = None
         stopped_at = None
+        cpu_lat: list[float] = []
         started = False
         for i, ev in enumerate(evs):
             if i == n_prefill and not started:
@@ -271,9 +291,9 @@ class _Replayer:
                         break
                     issued += 1
                 epoch = float(ev.birth)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 try:
-                    self._save(ev)
+                    gen_s = self._save(ev)
                 except FsError as e:
                     if e.errno != errno.ENOSPC:
                         raise ReplayError(f"save {ev.stream}/{ev.gen}: {e}") from e
@@ -284,10 +304,12 @@ class _Replayer:
                     stopped_at = completed
                     self._counters(rec, epoch, completed)
                     break
-                dt = time.perf_counter() - t0
+                dt = time.perf_counter() - t0 - gen_s
                 self.live[(ev.stream, ev.gen)] = ev
                 if i >= n_prefill:
                     completed += 1
+                    if rec.window_start is not None and epoch >= rec.window_start:
+                        cpu_lat.append(time.thread_time() - c0 - self.gen_cpu)
                 rec.save(epoch, dt, ev.size, completed=True)
             else:
                 self._delete(ev)
@@ -301,7 +323,9 @@ class _Replayer:
         astats = self.store.alloc.stats()
         d = self.spec
         cap = wl.data_capacity(d, self.store.meta_zones)
+        p99c = wl.percentile(cpu_lat, 99)
         res.update({
+            "p99_commit_cpu_ms": None if p99c is None else p99c * 1000.0,
             "policy": self.o.policy, "hint_grid": self.o.hint_grid,
             "common_admission": self.o.common_admission, "lambda": self.o.lam,
             "fullscan": self.o.fullscan, "gc_reserve": self.o.gc_reserve,

@@ -180,6 +180,10 @@ class Store:
                       "zone_finishes": 0, "commits": 0, "enospc": 0, "gc_runs": 0}
         self.commit_ms: list[float] = []
         self.open_lru: dict[int, None] = {}
+        # per generation (stream, birth): [expected padded bytes (0 = unknown), bytes placed]
+        self._saves: dict[tuple[int, int], list[int]] = {}
+        self._save_key: dict[int, tuple[int, int]] = {}    # stream -> its current generation
+        self._save_est: dict[int, int] = {}               # stream -> previous generation's size
         self._pending_resets: set[int] = set()
         self._want_journal_flush = False
         self._unsynced = False            # device writes not yet covered by a device flush
@@ -759,7 +763,10 @@ class Store:
                 if h is not None:
                     return h
                 break
-            return H.Hint(0, INF, stream, "policy-nongeneration")
+            # not in a generation: a rolling file (tracker, last.ckpt) dies at the next save
+            sibs = [b for b in (H.generation_birth(pol, n.decode("utf-8", "replace"))
+                                for n in chain[0][0].entries) if b is not None]
+            return H.nongeneration_hint(pol, names_below, sibs, stream)
         return H.UNHINTED
 
     # ------------------------------------------------------------------ file data
@@ -835,6 +842,8 @@ class Store:
                     return
                 dead = self._do(J.TRUNCATE, J.pack_truncate(ino, size))
                 self._dead(dead)
+                if size == 0:       # O_TRUNC rewrite: new contents, resolve the hint again
+                    inode.hint = None
                 inode.mtime = inode.ctime = now_ns()
                 self._save_inode(inode)
         self._reset_empty_zones()
@@ -855,23 +864,67 @@ class Store:
                 dev.close(victim)
         self.open_lru[zone] = None
 
+    # ------------------------------------------------------------------ save sizes
+    def declare_save(self, ino: int, nbytes: int) -> None:
+        """Announce that the generation of ``ino`` (a generation directory or file; its hint
+        names the generation) will hold ``nbytes`` block-padded bytes in all.  Optional: it
+        feeds the allocator's size adaptation and the common-admission rule; without it the
+        store assumes the size of the stream's previous generation.  Run-time only."""
+        with self.lock:
+            inode = self._get(ino)
+            h = inode.hint or self._resolve_hint(inode)
+            self._save_entry(h)[:] = [max(0, int(nbytes)), 0]
+
+    def _save_entry(self, hint: H.Hint) -> list[int]:
+        """[expected, placed] of the hint's generation (lock held); one entry per stream."""
+        key = (hint.stream, hint.birth)
+        ent = self._saves.get(key)
+        if ent is None:
+            prev = self._save_key.get(hint.stream)
+            if prev is not None and prev in self._saves:
+                placed = self._saves.pop(prev)[1]
+                if placed:
+                    self._save_est[hint.stream] = placed
+            self._save_key[hint.stream] = key
+            ent = self._saves[key] = [self._save_est.get(hint.stream, 0), 0]
+        return ent
+
     def _place(self, size: int, hint: H.Hint, allow_reserve: bool = False):
-        """Ask the allocator for a zone; run GC when only the reserve is left (io_lock held)."""
-        for attempt in range(64):
+        """Ask the allocator for a zone for ``size`` padded bytes (io_lock held).
+
+        When the policy finds no room outside the GC reserve, run GC and retry.  When GC cannot
+        make progress, common admission fills a compatible tail, else borrows the reserve if
+        the rest of the padded save fits in it.  Otherwise ENOSPC (a capacity stop)."""
+        gc_stuck = False
+        for attempt in range(self.dev.nr_zones + 8):
+            zone = None
             with self.lock:
+                ent = self._save_entry(hint)
+                save_size = max(ent[0], size)
+                remaining = max(ent[0] - ent[1], size)
+                args = (size, hint.reclaim, hint.birth, self.now, hint.stream, save_size)
                 try:
-                    zone, nbytes, finish = self.alloc.place(size, hint.reclaim, hint.birth, self.now,
-                                                            hint.stream, 0,
-                                                            allow_reserve=allow_reserve)
+                    zone, nbytes, finish = self.alloc.place(*args, allow_reserve=allow_reserve)
                 except NoSpace:
-                    zone = None
+                    pass
+                if zone is None and gc_stuck and self.opts.common_admission:
+                    try:
+                        zone, nbytes, finish = self.alloc.place(*args, tails_only=True)
+                    except NoSpace:
+                        if remaining <= self.cap:
+                            try:
+                                zone, nbytes, finish = self.alloc.place(*args, allow_reserve=True)
+                            except NoSpace:
+                                pass
+                if zone is not None:
+                    ent[1] += nbytes
             if zone is not None:
                 for z in finish:
                     self._finish_zone(z)
                 return zone, nbytes
-            if not self._gc_once():
-                if self.opts.common_admission and not allow_reserve:
-                    allow_reserve = True
+            if gc_stuck or not self._gc_once():
+                if not gc_stuck and self.opts.common_admission:
+                    gc_stuck = True
                     continue
                 with self.lock:
                     self.stats["enospc"] += 1

@@ -122,7 +122,8 @@ class Mount:
         return str(self.path)
 
     def mount(self) -> None:
-        self.path.mkdir(exist_ok=True)
+        if not is_mounted(self.path):          # (a stale mount after kill -9 fails stat)
+            self.path.mkdir(exist_ok=True)
         opts = f"log={self.log}" + (f",{self.options}" if self.options else "")
         run(MOUNT, self.img, self.path, "-o", opts, timeout=60)
         assert is_mounted(self.path), f"{self.path} not mounted after mount.retainzfs returned"

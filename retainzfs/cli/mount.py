@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from .common import die, is_retainzfs_mount
+from .common import die, find_mount_of, is_retainzfs_mount
 
 #: mount(8)/fstab options that mean nothing to us and are dropped silently
 IGNORED = {"rw", "defaults", "auto", "noauto", "user", "nouser", "users", "nofail", "_netdev",
@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         die(str(e))
     target, mnt = args.target, args.mountpoint
     _check_mountpoint(mnt)
+    other = find_mount_of(target)
+    if other and not _is_stale(other):    # fail at once (the lock retry is for exiting daemons)
+        die(f"{target} is in use: already mounted at {other}")
     level = logging.DEBUG if ours.get("debug") else logging.INFO
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     if args.foreground:
