@@ -18,7 +18,10 @@ setup(
                           compiler_directives={"boundscheck": False, "wraparound": False}),
     install_requires=["pyfuse3>=3.3", "trio>=0.22", "crc32c>=2.3", "rich>=13", "tqdm>=4.60",
                       "matplotlib>=3.7"],
-    extras_require={"test": ["pytest>=8", "hypothesis>=6"]},
+    extras_require={"test": ["pytest>=8", "hypothesis>=6",
+                             # tests/test_frameworks.py: the real framework packages
+                             "lightning>=2.2", "transformers>=4.46", "accelerate>=0.26",
+                             "safetensors>=0.4"]},
     entry_points={
         "console_scripts": [
             "mkfs.retainzfs=retainzfs.cli.mkfs:main",

@@ -91,6 +91,9 @@ zenfs -- port of upstream ZenFS (westerndigitalcorporation/zenfs, fs/zbd_zenfs.c
 * ``GetActiveIOZoneTokenIfAvailable`` -> ``active < max_active`` (``max_active=0``: unlimited, as
   upstream sets the limit to the zone count); the token is "returned" when the zone becomes full,
   is finished or reset, i.e. the active count is the number of active zones.
+* ``ZoneFile::Append`` / ``ZoneFile::active_zone_`` -> ``place(..., writer=ino)``: a file keeps
+  appending to its current zone while it is active and has room (no ``AllocateIOZone`` call);
+  ``release_writer`` on close mirrors ``ZoneFile::CloseWR``.
 * ``WaitForOpenIOZoneToken`` -> a no-op: the store writes one chunk at a time and manages open
   zones itself (it closes zones to stay under max_open), so the token is always available.
 * ``FinishCheapestIOZone`` -> the active zone with the least remaining capacity, ties to the
@@ -115,7 +118,7 @@ WAL files share one class upstream.
 """
 
 from libc.stdlib cimport calloc, free
-from libc.stdint cimport int64_t, int32_t, int8_t, uint8_t, uint64_t
+from libc.stdint cimport int64_t, int32_t, int8_t, uint8_t, uint32_t, uint64_t
 from libc.math cimport INFINITY, ceil as c_ceil
 
 import math
@@ -342,6 +345,8 @@ cdef class Allocator:
     cdef list hist
     cdef dict gen_ids
     cdef dict cad
+    cdef dict writers        # zenfs: writer -> (zone, reset generation), ZoneFile::active_zone_
+    cdef uint32_t *rgen      # per-zone reset counter (validates writers entries)
     cdef double zbase_seen
 
     cdef int out_zone
@@ -412,10 +417,11 @@ cdef class Allocator:
         self.vfin = <uint8_t *>calloc(n, sizeof(uint8_t))
         self.skip = <uint8_t *>calloc(n, sizeof(uint8_t))
         self.fin = <int32_t *>calloc(n + 1, sizeof(int32_t))
+        self.rgen = <uint32_t *>calloc(n, sizeof(uint32_t))
         self.nwords = (n + 63) // 64
         self.emap = <uint64_t *>calloc(self.nwords, sizeof(uint64_t))
         if (self.pos == NULL or self.vfin == NULL or self.skip == NULL or self.fin == NULL
-                or self.emap == NULL):
+                or self.emap == NULL or self.rgen == NULL):
             raise MemoryError()
         cdef int z
         for z in range(n):
@@ -431,6 +437,7 @@ cdef class Allocator:
         self.hist = [[] for _ in range(n)] if self.fullscan else []
         self.gen_ids = {}
         self.cad = {}
+        self.writers = {}
         self.zbase_seen = 0.0
         self.out_zone = -1
         self.pend_zone = -1
@@ -447,6 +454,7 @@ cdef class Allocator:
         free(self.skip)
         free(self.fin)
         free(self.emap)
+        free(self.rgen)
 
     # ------------------------------------------------------------------ helpers
     cdef double _hint(self, hint) except? -1.0:
@@ -883,7 +891,7 @@ cdef class Allocator:
 
     # ------------------------------------------------------------------ public API
     def place(self, size, hint, birth, now, stream=0, save_size=0, *, allow_reserve=False,
-              exclude=None, tails_only=False):
+              exclude=None, tails_only=False, writer=None):
         """Where to put the next chunk: ``(zone, nbytes, finish)``.
 
         ``size`` block-padded bytes still to place; ``hint`` reclaim epoch (``inf``/None for
@@ -893,7 +901,12 @@ cdef class Allocator:
         the rest.  ``finish``: zones to finish (then ``note_finish``) before writing.
         ``allow_reserve`` lets the call open one of the last ``gc_reserve`` empty zones (GC
         relocation, common admission); ``exclude`` zones that must not be chosen (e.g. the GC
-        victim).  ``tails_only`` (common admission, GC relocation fallback): only the free tails
+        victim).  ``writer`` (any hashable, e.g. the inode; zenfs only): upstream ZenFS keeps
+        appending a file to its current zone (``ZoneFile::active_zone_``) and calls
+        ``AllocateIOZone`` only when that zone is full, so while the writer's last zone is still
+        active with free space it is returned without a new decision (``release_writer`` when
+        the file is closed, like ``ZoneFile::CloseWR``).  Other policies place every chunk.
+        ``tails_only`` (common admission): only the free tails
         of active zones that are *compatible* with the data -- for zenfs the zones its
         ``GetLifeTimeDiff`` does not rate NOT_GOOD (lowest diff, ties to the highest index, as
         ``GetBestOpenZoneMatch``), for every other policy the zones of the same class (anchors
@@ -904,13 +917,13 @@ cdef class Allocator:
         cdef int64_t t0 = _now_ns()
         try:
             return self._place(size, hint, birth, now, stream, save_size, allow_reserve,
-                               exclude, tails_only)
+                               exclude, tails_only, writer)
         finally:
             self.n_places += 1
             self.place_ns += _now_ns() - t0
 
     cdef tuple _place(self, size, hint, birth, now, stream, save_size, bint allow_reserve,
-                      exclude, bint tails_only=False):
+                      exclude, bint tails_only=False, writer=None):
         cdef int64_t s = size
         cdef int64_t ss = save_size if save_size else 0
         if s <= 0:
@@ -960,7 +973,18 @@ cdef class Allocator:
         # an excluded empty zone cannot be opened: look for the next one
         if v.first_empty >= 0 and self.skip[v.first_empty]:
             v.first_empty = self._next_empty(v, 0)
-        if tails_only:
+        cdef object w = None
+        if self.mode == M_ZENFS and writer is not None and not tails_only:
+            w = self.writers.get(writer)
+            if w is not None:
+                z = w[0]
+                if (w[1] != self.rgen[z] or v.cond[z] != C_ACTIVE or self.skip[z]
+                        or v.W[z] >= self.zone_capacity):
+                    w = None
+        if w is not None:
+            self._take(v, w[0], s, K_EXISTING, 0.0)
+            rc = 0
+        elif tails_only:
             rc = self._d_tails(v, s, d, fnow, life)
         elif self.mode == M_ZENFS:
             rc = self._d_zenfs(v, s, life, can_new)
@@ -987,7 +1011,16 @@ cdef class Allocator:
         self.pend_zone = self.out_zone
         self.pend_gen = gid
         self.pend_life = life
+        if self.mode == M_ZENFS and writer is not None:
+            self.writers.pop(writer, None)
+            self.writers[writer] = (self.out_zone, self.rgen[self.out_zone])
+            if len(self.writers) > 4096:          # writers that were never released
+                del self.writers[next(iter(self.writers))]
         return (self.out_zone, self.out_nbytes, fin)
+
+    def release_writer(self, writer):
+        """The writer (file) was closed: its next write allocates afresh (zenfs)."""
+        self.writers.pop(writer, None)
 
     cdef int _next_empty(self, ZView *v, int start):
         """Lowest-index empty, non-excluded data zone (slow path, only with ``exclude``)."""
@@ -1097,6 +1130,7 @@ cdef class Allocator:
                 self._emap_set(z)
                 self.cv.n_empty += 1
             _sum_clear(&self.cv, z)
+            self.rgen[z] += 1
             if self.pend_zone == z:
                 self.pend_zone = -1
             if self.fullscan:

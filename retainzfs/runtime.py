@@ -56,14 +56,19 @@ def _reclaim_value(reclaim: int | float | None) -> bytes:
     return str(int(reclaim)).encode()
 
 
-def tag_path(path: str | os.PathLike, birth: int, reclaim: int | float | None,
-             stream: int = 0) -> None:
-    """Set the hint xattrs on an existing file or directory (before its data are written)."""
+def _check(birth: int, reclaim: int | float | None, stream: int) -> bytes:
     if birth < 0 or stream < 0:
         raise ValueError("birth and stream must be >= 0")
     r = _reclaim_value(reclaim)
     if r != b"inf" and int(r) < birth:
         raise ValueError(f"reclaim {int(r)} precedes birth {birth}")
+    return r
+
+
+def tag_path(path: str | os.PathLike, birth: int, reclaim: int | float | None,
+             stream: int = 0) -> None:
+    """Set the hint xattrs on an existing file or directory (before its data are written)."""
+    r = _check(birth, reclaim, stream)
     os.setxattr(path, XATTR_BIRTH, str(int(birth)).encode())
     os.setxattr(path, XATTR_STREAM, str(int(stream)).encode())
     os.setxattr(path, XATTR_RECLAIM, r)       # reclaim last: it is what makes the hint complete
@@ -75,6 +80,7 @@ def tag_generation(path: str | os.PathLike, birth: int, reclaim: int | float | N
     it is placed with birth ``birth`` and reclaim epoch ``reclaim`` (``None``/``inf`` = anchor,
     a milestone kept beyond the retention window).  Call it before writing; returns ``path``.
     """
+    _check(birth, reclaim, stream)
     os.makedirs(path, exist_ok=True)
     tag_path(path, birth, reclaim, stream)
     return os.fspath(path)

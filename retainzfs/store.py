@@ -81,6 +81,7 @@ class Inode:
     lookups: int = 0
     wbuf: WriteBuffer = field(default_factory=WriteBuffer)
     dirty: bool = False
+    policy_dirty: bool = False     # a .retainz written/truncated since its last validation
 
     @property
     def is_dir(self) -> bool:
@@ -793,7 +794,7 @@ class Store:
                     inode.mtime = inode.ctime = t
                     if off + n > inode.size:
                         inode.size = off + n
-                    inode.dirty = True
+                    inode.dirty = inode.policy_dirty = True
                     full = len(buf) >= self.opts.flush_bytes
             if need_flush:
                 self._flush_data(ino, final=True)
@@ -845,6 +846,7 @@ class Store:
                 if size == 0:       # O_TRUNC rewrite: new contents, resolve the hint again
                     inode.hint = None
                 inode.mtime = inode.ctime = now_ns()
+                inode.policy_dirty = True
                 self._save_inode(inode)
         self._reset_empty_zones()
 
@@ -889,12 +891,14 @@ class Store:
             ent = self._saves[key] = [self._save_est.get(hint.stream, 0), 0]
         return ent
 
-    def _place(self, size: int, hint: H.Hint, allow_reserve: bool = False):
-        """Ask the allocator for a zone for ``size`` padded bytes (io_lock held).
+    def _place(self, size: int, hint: H.Hint, allow_reserve: bool = False, writer=None):
+        """Ask the allocator for a zone for ``size`` padded bytes of file ``writer`` (io_lock
+        held).
 
-        When the policy finds no room outside the GC reserve, run GC and retry.  When GC cannot
-        make progress, common admission fills a compatible tail, else borrows the reserve if
-        the rest of the padded save fits in it.  Otherwise ENOSPC (a capacity stop)."""
+        When the policy finds no room outside the GC reserve: with common admission, first fill
+        a compatible tail (``place(tails_only=True)``); then run GC and retry; when GC cannot
+        make progress, common admission borrows the reserve if the rest of the padded save
+        (``declare_save``) fits in it.  Otherwise ENOSPC (a capacity stop)."""
         gc_stuck = False
         for attempt in range(self.dev.nr_zones + 8):
             zone = None
@@ -904,14 +908,15 @@ class Store:
                 remaining = max(ent[0] - ent[1], size)
                 args = (size, hint.reclaim, hint.birth, self.now, hint.stream, save_size)
                 try:
-                    zone, nbytes, finish = self.alloc.place(*args, allow_reserve=allow_reserve)
+                    zone, nbytes, finish = self.alloc.place(*args, allow_reserve=allow_reserve,
+                                                            writer=writer)
                 except NoSpace:
                     pass
-                if zone is None and gc_stuck and self.opts.common_admission:
+                if zone is None and self.opts.common_admission:
                     try:
                         zone, nbytes, finish = self.alloc.place(*args, tails_only=True)
                     except NoSpace:
-                        if remaining <= self.cap:
+                        if gc_stuck and remaining <= self.cap:
                             try:
                                 zone, nbytes, finish = self.alloc.place(*args, allow_reserve=True)
                             except NoSpace:
@@ -951,7 +956,7 @@ class Store:
         while pos < total:
             remaining = total - pos
             padded = -(-remaining // bs) * bs
-            zone, nbytes = self._place(padded, hint, allow_reserve)
+            zone, nbytes = self._place(padded, hint, allow_reserve, ino)
             payload = min(nbytes, remaining)
             chunk = data.slice(pos, pos + payload)
             if nbytes > payload:
@@ -1031,7 +1036,7 @@ class Store:
         if not sync:
             self._unsynced = True
 
-    def commit(self, ino: int, durable: bool) -> None:
+    def commit(self, ino: int, durable: bool, check_policy: bool = True) -> None:
         """close(2) (durable=False) or fsync (durable=True): data + extents + attributes out."""
         t0 = time.perf_counter()
         self._flush_data(ino, final=True)
@@ -1043,11 +1048,16 @@ class Store:
                     inode.dirty = False
                     self._save_inode(inode)
                     self.stats["commits"] += 1
-                    if inode.name == H.POLICY_NAME and inode.parent in self.inodes:
-                        try:
-                            self._load_policy(inode.parent)
-                        except H.HintError as e:
-                            policy_error = e
+                # A .retainz is validated by the flush/fsync of the fd that wrote it, never by a
+                # RELEASE: that is asynchronous, cannot report the error, and may run while a
+                # new writer has truncated the file but not yet written it.
+                if (check_policy and inode is not None and inode.policy_dirty
+                        and inode.name == H.POLICY_NAME and inode.parent in self.inodes):
+                    inode.policy_dirty = False
+                    try:
+                        self._load_policy(inode.parent)
+                    except H.HintError as e:
+                        policy_error = e
             self._journal_flush(sync=durable)
         self.commit_ms.append((time.perf_counter() - t0) * 1000.0)
         if len(self.commit_ms) > 100000:
@@ -1058,12 +1068,14 @@ class Store:
     def release(self, ino: int) -> None:
         """Last close of an open file: commit; free it if it was unlinked meanwhile."""
         try:
-            self.commit(ino, durable=False)
+            self.commit(ino, durable=False, check_policy=False)
         finally:
             with self.lock:
                 inode = self.inodes.get(ino)
                 if inode is not None:
                     inode.opens = max(0, inode.opens - 1)
+                    if inode.opens == 0:
+                        self.alloc.release_writer(ino)
                     if inode.nlink == 0 and inode.opens == 0:
                         self._free_inode(inode, journal=True)
             self._reset_empty_zones()
@@ -1142,12 +1154,18 @@ class Store:
             remaining = length - pos
             padded = -(-remaining // bs) * bs
             with self.lock:
+                args = (padded, hint, h.birth, self.now, h.stream, 0)
                 try:
-                    zone, nbytes, finish = self.alloc.place(padded, hint, h.birth, self.now,
-                                                            h.stream, 0, allow_reserve=True,
+                    zone, nbytes, finish = self.alloc.place(*args, allow_reserve=True,
                                                             exclude=[victim])
                 except NoSpace:
-                    raise FsError(errno.ENOSPC) from None
+                    if not self.opts.common_admission:
+                        raise FsError(errno.ENOSPC) from None
+                    try:        # common admission: copies may fill compatible tails too
+                        zone, nbytes, finish = self.alloc.place(*args, exclude=[victim],
+                                                                tails_only=True)
+                    except NoSpace:
+                        raise FsError(errno.ENOSPC) from None
             if zone == victim:
                 raise FsError(errno.ENOSPC)
             for z in finish:

@@ -109,6 +109,21 @@ def check_prereqs(args) -> tuple[str, str] | None:
     return kernel, vng
 
 
+def cached_dirs(cwd: str) -> list[str]:
+    """Read-only host trees worth a cache=loose 9p mount in the guest."""
+    out: list[str] = []
+    for d in ("/usr", sys.base_prefix, sys.prefix):
+        d = os.path.realpath(d)
+        if not os.path.isdir(d) or d == "/":
+            continue
+        if any(d == o or d.startswith(o + "/") for o in out):
+            continue
+        if cwd == d or cwd.startswith(d + "/") or d.startswith(cwd + "/"):
+            continue  # the cwd is shared read-write, keep it coherent
+        out.append(d)
+    return out
+
+
 def guest_env(extra: list[str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
@@ -131,6 +146,10 @@ GUEST_SCRIPT = r"""#!/bin/bash
 RUNDIR={rundir}
 log() {{ [ -n "$QZ_QUIET" ] || echo "qemu_zns: $*" >&2; }}
 modprobe -q nvme 2>/dev/null
+# vng's 9p root is mounted cache=none: every lookup and page fault is a round
+# trip, which makes exec and python imports crawl under TCG. Overmount the big
+# read-only trees with cache=loose (coherence with host changes is not needed).
+{cache_mounts}
 modprobe -q fuse 2>/dev/null
 find_dev() {{  # $1 = want zoned (1) or regular (0)
     local d z
@@ -202,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra host directory shared read-write (repeatable)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for COMMAND (repeatable)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="don't overmount /usr and the python prefix with 9p cache=loose")
     p.add_argument("--quiet", action="store_true", help="no runner messages")
     p.add_argument("--show-boot", action="store_true", help="show the kernel console")
     p.add_argument("--dry-run", action="store_true", help="print the vng command only")
@@ -273,6 +294,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"logical_block_size={args.block_size},"
                 f"physical_block_size={args.block_size}",
             ]
+        cache_dirs = [] if args.no_cache else cached_dirs(os.getcwd())
+        for i, d in enumerate(cache_dirs):
+            qemu_opts += ["-virtfs", f"local,path={d},mount_tag=qzcache{i},"
+                          "security_model=none,readonly=on"]
+        cache_mounts = "\n".join(
+            f"mount -t 9p -o ro,trans=virtio,version=9p2000.L,cache=loose,msize=524288 "
+            f"qzcache{i} {shlex.quote(d)} || log 'cache=loose mount of {d} failed'"
+            for i, d in enumerate(cache_dirs))
         env = guest_env(args.env)
         if args.quiet:
             env["QZ_QUIET"] = "1"
@@ -282,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write(GUEST_SCRIPT.format(
                 exports="\n".join(f"export {k}={shlex.quote(v)}"
                                   for k, v in sorted(env.items())),
-                rundir=shlex.quote(rundir), serial=shlex.quote(SERIAL),
+                cache_mounts=cache_mounts, rundir=shlex.quote(rundir), serial=shlex.quote(SERIAL),
                 want_conv="1" if args.conv_size else "",
                 cwd=shlex.quote(cwd), command=shlex.quote(command)))
         os.chmod(script, 0o755)
@@ -330,10 +359,11 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
+            say(f"timeout after {args.timeout:.0f}s; killing the guest")
+            kill_group(proc)
         for t in pumps:
             t.join(timeout=5)
         if timed_out:
-            say(f"timeout after {args.timeout:.0f}s; killing the guest")
             return EXIT_TIMEOUT
         elapsed = time.monotonic() - t0
         rc_path = os.path.join(rundir, "rc")

@@ -48,9 +48,10 @@ def is_mounted(path) -> bool:
         return any(line.split()[1] == real for line in f)
 
 
-def daemon_pids(img, mnt) -> list[int]:
-    """Pids of mount.retainzfs processes serving ``img`` on ``mnt`` (argv match, no zombies)."""
-    want_img, want_mnt = os.path.realpath(img), os.path.realpath(mnt)
+def daemon_pids(img, mnt=None) -> list[int]:
+    """Pids of live mount.retainzfs daemons holding ``img`` open (the daemon chdirs to / and
+    may have been started with relative paths, so match the open image, not argv)."""
+    want_img = os.path.realpath(img)
     pids = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -58,17 +59,24 @@ def daemon_pids(img, mnt) -> list[int]:
         try:
             with open(f"/proc/{d}/cmdline", "rb") as f:
                 argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+            if not any("mount.retainzfs" in a for a in argv[:2]):
+                continue
             with open(f"/proc/{d}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-            cwd = os.readlink(f"/proc/{d}/cwd")
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+            fds = os.listdir(f"/proc/{d}/fd")
         except OSError:
             continue
-        if state == "Z" or not any("mount.retainzfs" in a for a in argv[:2]):
-            continue
-        paths = {os.path.realpath(os.path.join(cwd, a)) for a in argv[1:] if not a.startswith("-")}
-        if want_img in paths and want_mnt in paths:
+        if any(_readlink(f"/proc/{d}/fd/{fd}") == want_img for fd in fds):
             pids.append(int(d))
     return pids
+
+
+def _readlink(p: str) -> str | None:
+    try:
+        return os.readlink(p)
+    except OSError:
+        return None
 
 
 def image_locked(img) -> bool:

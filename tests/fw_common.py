@@ -151,7 +151,10 @@ class TitanCheckpointManager:
 
     ``states`` maps names to Stateful objects / state dicts (TorchTitan: model, optimizer,
     lr_scheduler, dataloader, train_state).  ``async_mode``: ``"disabled"`` or ``"async"``
-    (``dcp.async_save``; the previous save is awaited before the next one starts).
+    (``dcp.async_save``; the previous save is awaited before the next one starts).  As upstream,
+    the purge runs right after an async save is *started*: the new ``step-N`` directory may not
+    exist yet (DCP creates it in the background), so a purge can keep one generation too many
+    until the next purge catches up; the forced last-step save is synchronous.
     """
 
     def __init__(self, folder: str, states: dict, interval: int, keep_latest_k: int = 0,
@@ -195,14 +198,15 @@ class TitanCheckpointManager:
         checkpoint_id = self._create_checkpoint_id(curr_step)
         self._async_wait()
         begin = time.monotonic()
-        if self.async_mode == "async":
+        if force:
+            # _save_last_step: the final (forced) save is synchronous
+            dcp.save(self.states, checkpoint_id=checkpoint_id)
+        elif self.async_mode == "async":
             self.async_future = dcp.async_save(self.states, checkpoint_id=checkpoint_id,
                                                process_group=self.pg)
-            fut = self.async_future
-            fut.add_done_callback(lambda f: self.save_log.append((checkpoint_id, begin, time.monotonic())))
         else:
             dcp.save(self.states, checkpoint_id=checkpoint_id)
-            self.save_log.append((checkpoint_id, begin, time.monotonic()))
+        self.save_log.append((checkpoint_id, begin))
         self._purge_stale_checkpoints()
 
     def _purge_stale_checkpoints(self) -> None:

@@ -9,11 +9,12 @@ import json
 import os
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-torch = pytest.importorskip("torch")
-dcp = pytest.importorskip("torch.distributed.checkpoint")
-from torch.distributed.checkpoint.state_dict import (  # noqa: E402
-    get_state_dict, set_state_dict)
+torch.set_num_threads(1)       # tiny model; more threads only fight the daemon for the CPUs
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
 class TinyTransformer(torch.nn.Module):

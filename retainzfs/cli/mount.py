@@ -258,24 +258,33 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=level, format=fmt)
         return serve(target, mnt, ours, fuse_extra, None)
 
-    logfile = ours.get("log") or _default_log(mnt)
+    logfile = os.path.abspath(ours.get("log") or _default_log(mnt))
+    try:                                          # in the parent: a bad path is a one-line error
+        fd = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        die(f"cannot open log file {logfile}: {e.strerror}")
+    # the daemon leaves the caller's directory (so it does not pin it): absolute paths
+    target, mnt = os.path.abspath(target), os.path.abspath(mnt)
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:                                  # daemon
-        os.close(r)
-        os.setsid()
-        fd = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        logging.basicConfig(level=level, format=fmt, stream=sys.stderr)
+    if pid == 0:                                  # daemon: never returns into main()
         code = 1
         try:
+            os.close(r)
+            os.setsid()
+            os.chdir("/")
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            logging.basicConfig(level=level, format=fmt, stream=sys.stderr)
             code = serve(target, mnt, ours, fuse_extra, w)
+        except BaseException:
+            logging.getLogger("retainzfs").exception("daemon failed")
         finally:
             os._exit(code)
     os.close(w)
+    os.close(fd)
     with os.fdopen(r) as f:
         msg = f.readline().strip()
     if msg == "OK":
