@@ -176,6 +176,7 @@ def aggregate(runs: list[dict]) -> list[dict]:
                                     "policy": c["policy"], "load": c["load"],
                                     "order": c.get("order", 0), "seeds": [], "errors": [],
                                     "stops": [], "values": {m: [] for m in METRICS},
+                                    "values_stopped": {m: [] for m in METRICS},
                                     "saves_requested": None})
         row["seeds"].append(c["seed"])
         if "error" in r:
@@ -183,16 +184,22 @@ def aggregate(runs: list[dict]) -> list[dict]:
             continue
         res = r["result"]
         row["saves_requested"] = res.get("saves_requested")
+        vals = row["values"]
         if res.get("capacity_stop"):
             row["stops"].append(res.get("stop_after_saves"))
+            vals = row["values_stopped"]
         for m in METRICS:
             v = _num(res.get(m))
             if v is not None:
-                row["values"][m].append(v)
+                vals[m].append(v)
     out = []
     for row in rows.values():
         stats = {}
-        for m, vs in row.pop("values").items():
+        done, stopped = row.pop("values"), row.pop("values_stopped")
+        # metrics of runs that stopped cover only the saves before the stop (and a tiny
+        # window): summarize completed runs, fall back to stopped ones only if none completed
+        row["stats_from"] = "completed" if any(done.values()) else "stopped"
+        for m, vs in (done if row["stats_from"] == "completed" else stopped).items():
             if vs:
                 stats[m] = {"mean": sum(vs) / len(vs), "min": min(vs), "max": max(vs),
                             "n": len(vs)}
@@ -285,7 +292,10 @@ def render_table(rows: list[dict], meta: dict) -> str:
     lines = [f"# retainzfs sweep", "",
              f"{meta.get('runs', 0)} runs, {meta.get('elapsed_s', 0):.0f} s, "
              f"{meta.get('jobs', 1)} jobs; mean [min–max] over seeds; the paper's value in "
-             "parentheses where it states one.", "", head, sep]
+             "parentheses where it states one.  Metrics summarize the runs that completed every "
+             "save; † = every seed hit a capacity stop, metrics cover only the saves before it. "
+             "Load = peak live bytes after each save's deletions / data capacity (the paper's "
+             "definition).", "", head, sep]
     for r in rows:
         st = r["stats"]
         lines.append(
@@ -296,6 +306,8 @@ def render_table(rows: list[dict], meta: dict) -> str:
             f"{_fmt(st, 'p99_commit_ms')}{_paper(r, 'p99_commit_ms')} | "
             f"{_fmt(st, 'p99_commit_cpu_ms')} | {_fmt(st, 'mean_alloc_us')} | "
             f"{_completion(r)} |")
+        if r["stats_from"] == "stopped" and r["stops"]:
+            lines[-1] = lines[-1].replace(f"| {r['policy']} |", f"| {r['policy']} † |", 1)
     notes = [f"- {k[0]} / {k[1]}: {v}" for k, v in PAPER_NOTES.items()
              if any((r["group"], r["label"]) == k for r in rows)]
     rel = relative_lines(rows)
@@ -317,6 +329,9 @@ def _series(rows, group, policy, metric, label_prefix="load "):
         if r["group"] != group or r["policy"] != policy or metric not in r["stats"]:
             continue
         s = r["stats"][metric]
+        if r["stats_from"] == "stopped":
+            pts.append((r["load"], None, None, None, True))
+            continue
         pts.append((r["load"], s["mean"], s["min"], s["max"], bool(r["stops"])))
     return sorted(pts)
 
@@ -340,20 +355,30 @@ def make_figures(rows: list[dict], out: str) -> list[str]:
             pts = _series(rows, "pressure", p, m)
             if not pts:
                 continue
-            xs = [x[0] * 100 for x in pts]
+            ok = [x for x in pts if x[1] is not None]
+            xs = [x[0] * 100 for x in ok]
             c = colors.get(p)
-            ax.plot(xs, [x[1] for x in pts], marker="o", label=p, color=c)
-            ax.fill_between(xs, [x[2] for x in pts], [x[3] for x in pts], alpha=0.2, color=c)
-            st = [(x[0] * 100, x[1]) for x in pts if x[4]]
-            if st:
-                ax.scatter([a for a, _ in st], [b for _, b in st], marker="x", s=80,
-                           color=c or "k", zorder=5)
+            line, = ax.plot(xs, [x[1] for x in ok], marker="o", label=p, color=c)
+            c = line.get_color()
+            ax.fill_between(xs, [x[2] for x in ok], [x[3] for x in ok], alpha=0.2, color=c)
+            part = [(x[0] * 100, x[1]) for x in ok if x[4]]          # some seeds stopped
+            if part:
+                ax.scatter([a for a, _ in part], [b for _, b in part], marker="x", s=80,
+                           color=c, zorder=5)
+            allstop = [x[0] * 100 for x in pts if x[1] is None]       # every seed stopped
+            if allstop:
+                y0 = ax.get_ylim()[1]
+                ax.scatter(allstop, [y0] * len(allstop), marker="v", s=80, color=c, zorder=5,
+                           clip_on=False)
+                for xv in allstop:
+                    ax.annotate("stop", (xv, y0), textcoords="offset points", xytext=(0, -14),
+                                ha="center", fontsize=7, color=c)
         ax.set_xlabel("peak live load (% of data capacity)")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("Pressure sweep, fixed GC reserve (x = capacity stop on some seed; "
-                 "band = min–max over seeds)", fontsize=9)
+    fig.suptitle("Pressure sweep, fixed GC reserve (band = min–max over completed seeds; "
+                 "x = some seeds stopped; ▼ stop = every seed hit a capacity stop)", fontsize=9)
     fig.tight_layout()
     for ext in ("png", "pdf"):
         p = os.path.join(out, f"pressure.{ext}")

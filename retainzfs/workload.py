@@ -75,10 +75,20 @@ Resident anchors ("prefill")
   * Written first, as saves of stream ``streams`` (one past the last checkpoint stream),
     gens 0.., birth 0, hint null, one file ``shard0`` each, never deleted.
   * Their total is chosen so that the **peak live occupancy** of the whole trace equals
-    ``load`` (0.70..0.90) of the data capacity, in logical bytes: peak live = anchors + max
-    over save events of (bytes live just after the save is written, before the deletes it
-    triggers) -- i.e. retained generations plus the in-flight save, after the deletions the
-    trace actually performs (so delayed/extended variants get fewer anchors, not more load).
+    ``load`` (0.70..0.90) of the data capacity, in logical bytes.  ``peak`` / ``--peak``
+    says where live bytes are sampled:
+
+    - ``after-deletes`` (default; the paper: "resident anchors set the target peak live
+      occupancy *after scheduled deletions*"): after each save *and the deletions it
+      triggers*, i.e. just before the next save -- the retained set.  The save that triggers
+      a deletion is briefly live on top of it, so the instantaneous peak is higher by up to
+      one save (2.27 zone capacities at the defaults: 90% -> 93.7% in flight).
+    - ``in-flight``: just after each save is written, before the deletions it triggers
+      (retained generations plus the in-flight save; the instantaneous peak).  At the same
+      nominal load this is the milder workload (84% in-flight = 80.3% after deletes).
+
+    Either way only the deletions the trace actually performs count (delayed/extended
+    variants get fewer anchors, not more load).
   * Split into round(total / 1.505 zones) anchors with seed-drawn weights in 0.74..2.27
     (the nominal range, also for ``small``); the last one takes the rounding remainder.
   * A load too small to fit the streams' own peak raises ``ValueError``.
@@ -330,9 +340,22 @@ def live_profile(events) -> list[int]:
     return out
 
 
-def peak_live(events) -> int:
-    """Peak live bytes; the peak is always right after a save (in-flight save included)."""
-    return max(live_profile(events), default=0)
+PEAK_MODES = ("after-deletes", "in-flight")
+
+
+def peak_live(events, after_deletes: bool = False) -> int:
+    """Peak live bytes.  Default: the instantaneous peak, always right after a save (in-flight
+    save included).  ``after_deletes``: sampled after each save's deletions, i.e. just before
+    the next save and at the end (the paper's "peak live occupancy after scheduled
+    deletions")."""
+    prof = live_profile(events)
+    if not after_deletes:
+        return max(prof, default=0)
+    peak = 0
+    for i, live in enumerate(prof):
+        if i + 1 == len(prof) or isinstance(events[i + 1], SaveEvent):
+            peak = max(peak, live)
+    return peak
 
 
 # --------------------------------------------------------------------------- generator
@@ -364,7 +387,7 @@ def generate(load: float, seed: int, *, saves: int = 250, streams: int = 4,
              block_size: int = 4096, small: bool = False,
              size_range: tuple[float, float] | None = None, delete_delay: int = 0,
              extended_retention: int = 0, milestone_every: int = 0,
-             interval: float = 0.1) -> tuple[DeviceSpec, list[Event]]:
+             interval: float = 0.1, peak: str = "after-deletes") -> tuple[DeviceSpec, list[Event]]:
     """Synthetic pressure trace (see the module docstring for every parameter)."""
     cap = zone_capacity or zone_size
     if not 0 < load < 1:
@@ -380,6 +403,8 @@ def generate(load: float, seed: int, *, saves: int = 250, streams: int = 4,
                          ">= 0 and streams >= 1")
     if interval <= 0:
         raise ValueError("interval must be > 0")
+    if peak not in PEAK_MODES:
+        raise ValueError(f"peak must be one of {', '.join(PEAK_MODES)}, got {peak!r}")
     lo, hi = size_range or (SMALL_RANGE if small else NOMINAL_RANGE)
     if not 0 < lo <= hi:
         raise ValueError("size_range must satisfy 0 < lo <= hi")
@@ -418,7 +443,7 @@ def generate(load: float, seed: int, *, saves: int = 250, streams: int = 4,
     dev = DeviceSpec(zone_size, cap, nr_zones, max_open + 1 if max_open else 0,
                      max_active + 1 if max_active else 0, block_size)
     target = round(load * data_capacity(dev, metadata_zones))
-    stream_peak = peak_live([ev for _, ev in body])
+    stream_peak = peak_live([ev for _, ev in body], after_deletes=(peak == "after-deletes"))
     anchor_total = target - stream_peak
     if anchor_total < 0:
         raise ValueError(f"load {load} is below the streams' own peak "
@@ -592,6 +617,9 @@ def add_gen_workload_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="every M-th generation of a stream is a never-deleted anchor")
     p.add_argument("--interval", type=float, default=0.1,
                    help="seconds between save starts (default 0.1)")
+    p.add_argument("--peak", choices=PEAK_MODES, default="after-deletes",
+                   help="where --load is measured: after each save's deletions (default, the "
+                        "paper's definition) or in flight, before them")
     return p
 
 
@@ -606,17 +634,18 @@ def run_gen_workload(args: argparse.Namespace) -> int:
             zone_capacity=zc, nr_zones=args.nr_zones, metadata_zones=args.metadata_zones,
             max_open=args.max_open, max_active=args.max_active, small=args.small,
             delete_delay=args.delete_delay, extended_retention=args.extended_retention,
-            milestone_every=args.milestone_every, interval=args.interval)
+            milestone_every=args.milestone_every, interval=args.interval, peak=args.peak)
         write_trace(args.output, dev, events)
     except (ValueError, OSError) as e:
         print(f"retainzfs gen-workload: {e}", file=sys.stderr)
         return 1
     saves = [e for e in events if isinstance(e, SaveEvent)]
     anchors = sum(1 for e in saves if e.stream == args.streams)
-    peak = peak_live(events) / data_capacity(dev, args.metadata_zones)
+    cap = data_capacity(dev, args.metadata_zones)
+    after, inflight = peak_live(events, True) / cap, peak_live(events) / cap
     print(f"{args.output}: {len(saves) - anchors} saves, {anchors} prefill anchors, "
-          f"{len(events) - len(saves)} deletes; peak live {peak:.1%} of data capacity",
-          file=sys.stderr)
+          f"{len(events) - len(saves)} deletes; peak live {after:.1%} of data capacity after "
+          f"deletions, {inflight:.1%} in flight", file=sys.stderr)
     return 0
 
 

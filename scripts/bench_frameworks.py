@@ -47,11 +47,6 @@ def sh(*argv, check=True):
     return p
 
 
-def parse_size(s: str) -> int:
-    from retainzfs.cli.common import parse_size as ps
-    return ps(s)
-
-
 def status(mnt: str) -> dict:
     return json.loads(os.getxattr(mnt, "user.retainz.status"))
 

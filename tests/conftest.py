@@ -59,7 +59,8 @@ def daemon_pids(img, mnt=None) -> list[int]:
         try:
             with open(f"/proc/{d}/cmdline", "rb") as f:
                 argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-            if not any("mount.retainzfs" in a for a in argv[:2]):
+            if not any("mount.retainzfs" in a or a == "retainzfs.cli.mount"
+                       or a.endswith("retainzfs/cli/mount.py") for a in argv[:3]):
                 continue
             with open(f"/proc/{d}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":

@@ -100,7 +100,7 @@ i = 0
 while True:
     d = os.path.join(root, f"gen{i // 10}")
     os.makedirs(d, exist_ok=True)
-    size = rng.choice([rng.randrange(1, 200_000), rng.randrange(1 << 20, 6 << 20)])
+    size = rng.choice([rng.randrange(1, 200_000), rng.randrange(1 << 20, 4 << 20)])
     data = rng.randbytes(size)
     tmp = os.path.join(d, f"f{i}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -197,8 +197,8 @@ def _check_synced(m, root: str, synced: dict) -> None:
 
 def test_kill9_during_writes_then_remount(image, mount_image):
     m = mount_image(image)
-    synced = _run_writer_and_kill(m, "data1", seed=7, min_synced=30)
-    assert len(synced) >= 20
+    synced = _run_writer_and_kill(m, "data1", seed=7, min_synced=25)
+    assert len(synced) >= 10
     # the mount is stale now (ENOTCONN); mount.retainzfs clears it and mounts again
     with pytest.raises(OSError) as ei:
         os.listdir(m.path)
@@ -210,7 +210,7 @@ def test_kill9_during_writes_then_remount(image, mount_image):
     m.pids_seen.add(m.pid)
     _check_synced(m, "data1", synced)
     # a second crash right after recovery, in the middle of more writes
-    synced2 = _run_writer_and_kill(m, "data2", seed=8, min_synced=12)
+    synced2 = _run_writer_and_kill(m, "data2", seed=8, min_synced=10)
     m.mount()                      # Mount.mount runs mount.retainzfs, which clears the stale mount
     _check_synced(m, "data1", synced)
     _check_synced(m, "data2", synced2)
@@ -374,51 +374,78 @@ def one_line_error(p: subprocess.CompletedProcess, *needles: str) -> str:
 
 
 def test_bad_targets(tmp_path, make_image):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    missing = tmp_path / "missing.zns"
-    one_line_error(run(MKFS, missing, check=False), "missing.zns")
-    one_line_error(run(MOUNT, missing, mnt, check=False), "missing.zns")
-    one_line_error(run(RETAINZFS, "status", missing, check=False))
-    one_line_error(run(RETAINZFS, "fsck", missing, check=False))
-    junk = tmp_path / "junk.bin"
-    junk.write_bytes(random.Random(0).randbytes(8 * MiB))
-    one_line_error(run(MOUNT, junk, mnt, check=False), "junk.bin")
-    one_line_error(run(MKFS, junk, check=False), "junk.bin")     # not an image: refused, untouched
-    assert junk.read_bytes() == random.Random(0).randbytes(8 * MiB)
-    one_line_error(run(RETAINZFS, "fsck", junk, check=False))
-    one_line_error(run(RETAINZFS, "status", junk, check=False))
-    one_line_error(run(MOUNT, tmp_path, mnt, check=False))       # a directory as the target
-    # an emulated zoned image that was never formatted
+    """Each group runs its commands in order; the groups run side by side (CLI start-up is the
+    cost here), on their own targets and mountpoints."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from retainzfs.device import create_image
-    raw = tmp_path / "raw.zns"
-    create_image(str(raw), 64 * MiB, 4 * MiB).close()
-    err = one_line_error(run(MOUNT, raw, mnt, check=False), "mkfs")
-    assert "not a retainzfs" in err
-    one_line_error(run(RETAINZFS, "fsck", raw, check=False), "mkfs")
-    assert not is_mounted(mnt)
-    # bad sizes / geometry
-    one_line_error(run(MKFS, "--size", "1X", tmp_path / "x.zns", check=False))
-    one_line_error(run(MKFS, "--size", "64M", "--zone-size", "3M", tmp_path / "y.zns", check=False))
-    one_line_error(run(MKFS, "--size", "8M", tmp_path / "z.zns", check=False))
-    # a missing mountpoint; a file as mountpoint
-    img = make_image(size="64M")
-    one_line_error(run(MOUNT, img, tmp_path / "nomnt", check=False), "nomnt")
-    one_line_error(run(MOUNT, img, junk, check=False))
-    one_line_error(run(MOUNT, img, mnt, "-o", "bogus=1", check=False), "bogus")
-    one_line_error(run(MOUNT, img, mnt, "-o", f"log={tmp_path}/no/such/dir.log", check=False),
-                   "log file")
-    assert not is_mounted(mnt)
-    # an unformatted image is not an error for mkfs: it formats it, then it mounts
-    run(MKFS, raw)
-    run(MOUNT, raw, mnt, "-o", f"log={tmp_path}/raw.log")
-    try:
-        assert is_mounted(mnt) and os.listdir(mnt) == []
-    finally:
-        run("umount", mnt)
-        assert wait_for(lambda: not daemon_pids(raw), 15)
-    # mkfs refuses to overwrite a filesystem without --force
-    one_line_error(run(MKFS, img, check=False), "--force")
+
+    def mountpoint(name):
+        p = tmp_path / name
+        p.mkdir()
+        return p
+
+    def missing_target():
+        mnt = mountpoint("m1")
+        missing = tmp_path / "missing.zns"
+        one_line_error(run(MKFS, missing, check=False), "missing.zns")
+        one_line_error(run(MOUNT, missing, mnt, check=False), "missing.zns")
+        one_line_error(run(RETAINZFS, "status", missing, check=False))
+        one_line_error(run(RETAINZFS, "fsck", missing, check=False))
+
+    def foreign_file():
+        mnt = mountpoint("m2")
+        junk = tmp_path / "junk.bin"
+        junk.write_bytes(random.Random(0).randbytes(8 * MiB))
+        one_line_error(run(MOUNT, junk, mnt, check=False), "junk.bin")
+        one_line_error(run(MKFS, junk, check=False), "junk.bin")   # not an image: refused
+        assert junk.read_bytes() == random.Random(0).randbytes(8 * MiB)   # ... and untouched
+        one_line_error(run(RETAINZFS, "fsck", junk, check=False))
+        one_line_error(run(RETAINZFS, "status", junk, check=False))
+        one_line_error(run(MOUNT, tmp_path, mnt, check=False))     # a directory as the target
+        assert not is_mounted(mnt)
+
+    def unformatted():
+        mnt = mountpoint("m3")
+        raw = tmp_path / "raw.zns"
+        create_image(str(raw), 64 * MiB, 4 * MiB).close()
+        err = one_line_error(run(MOUNT, raw, mnt, check=False), "mkfs")
+        assert "not a retainzfs" in err
+        one_line_error(run(RETAINZFS, "fsck", raw, check=False), "mkfs")
+        assert not is_mounted(mnt)
+        # not an error for mkfs: it formats the image, which then mounts
+        run(MKFS, raw)
+        run(MOUNT, raw, mnt, "-o", f"log={tmp_path}/raw.log")
+        try:
+            assert is_mounted(mnt) and os.listdir(mnt) == []
+        finally:
+            run("umount", mnt)
+            assert wait_for(lambda: not daemon_pids(raw), 15)
+
+    def bad_geometry():
+        one_line_error(run(MKFS, "--size", "1X", tmp_path / "x.zns", check=False))
+        one_line_error(run(MKFS, "--size", "64M", "--zone-size", "3M", tmp_path / "y.zns",
+                           check=False))
+        one_line_error(run(MKFS, "--size", "8M", tmp_path / "z.zns", check=False))
+
+    def bad_mount_args():
+        mnt = mountpoint("m5")
+        img = make_image(size="64M")
+        afile = tmp_path / "afile"
+        afile.write_bytes(b"x")
+        one_line_error(run(MOUNT, img, tmp_path / "nomnt", check=False), "nomnt")
+        one_line_error(run(MOUNT, img, afile, check=False), "not a directory")
+        one_line_error(run(MOUNT, img, mnt, "-o", "bogus=1", check=False), "bogus")
+        one_line_error(run(MOUNT, img, mnt, "-o", f"log={tmp_path}/no/such/dir.log",
+                           check=False), "log file")
+        assert not is_mounted(mnt)
+        # mkfs refuses to overwrite a filesystem without --force
+        one_line_error(run(MKFS, img, check=False), "--force")
+
+    groups = [missing_target, foreign_file, unformatted, bad_geometry, bad_mount_args]
+    with ThreadPoolExecutor(len(groups)) as ex:
+        for f in [ex.submit(g) for g in groups]:
+            f.result()
 
 
 def test_mountpoint_in_use_and_image_in_use(make_image, mount_image, tmp_path):
@@ -601,3 +628,50 @@ def test_gc_relocates_live_data_under_pressure(make_image, mount_image):
     m.umount()
     assert_fsck_clean(img)
     print("gc_copied_bytes", st["gc_copied_bytes"], "resets", st["zone_resets"])
+
+
+def test_unlinked_open_file_freed_after_kill9(mounted):
+    """An orphan (unlinked while open) of a daemon that was killed is freed on the next mount."""
+    data = random.Random(3).randbytes(6 * MiB)
+    (mounted / "keep").write_bytes(b"k" * 10_000)
+    f = open(mounted / "orphan", "w+b")
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+    os.unlink(mounted / "orphan")
+    dfd = os.open(mounted.path, os.O_RDONLY | os.O_DIRECTORY)
+    os.fsync(dfd)                                  # the unlink is durable
+    os.close(dfd)
+    f.seek(0)
+    assert f.read(100) == data[:100]
+    assert mounted.status()["live_bytes"] == 6 * MiB + 10_000
+    mounted.kill()
+    try:
+        f.close()
+    except OSError:
+        pass                                       # ENOTCONN: the daemon is gone
+    mounted.mount()
+    assert os.listdir(mounted.path) == ["keep"]
+    assert mounted.status()["live_bytes"] == 10_000
+    mounted.umount()
+    assert_fsck_clean(mounted.img)
+
+
+def test_corrupt_superblock_is_reported_not_reformatted(make_image, tmp_path):
+    """A damaged superblock record is a one-line 'corrupt' error for mount/fsck, and mkfs
+    refuses to erase it without --force (it must not advise running mkfs)."""
+    img = make_image(size="64M")
+    from retainzfs.device import _image_layout
+    _, data_off = _image_layout(16, 4 * MiB)
+    with open(img, "r+b") as f:                       # inside the SUPER record of zone 0
+        f.seek(data_off + 40)
+        b = f.read(1)
+        f.seek(data_off + 40)
+        f.write(bytes([b[0] ^ 0x01]))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    for argv in ([MOUNT, img, mnt], [RETAINZFS, "fsck", img], [RETAINZFS, "status", img]):
+        err = one_line_error(run(*argv, check=False), "corrupt")
+        assert "run mkfs" not in err
+    one_line_error(run(MKFS, img, check=False), "--force")
+    assert not is_mounted(mnt)

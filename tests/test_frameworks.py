@@ -259,7 +259,7 @@ def test_hf_trainer_safetensors_shards_and_save_total_limit(mounted):
     """transformers' Trainer with a GPT-2 built from a config: checkpoint-N/ with sharded
     safetensors + optimizer/scheduler/RNG/trainer state; save_total_limit=2 rotation (sorted by
     directory mtime); hf preset hints; byte-exact and loadable after remount."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     safetensors_torch = pytest.importorskip("safetensors.torch")
     from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
                               TrainingArguments)

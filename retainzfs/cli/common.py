@@ -42,3 +42,18 @@ def is_retainzfs_mount(path: str) -> bool:
             return any(line.split()[1] == real and line.split()[2] == "fuse.retainzfs" for line in f)
     except OSError:
         return False
+
+
+def no_superblock_message(dev, target: str, meta_zones: int = 3) -> str:
+    """Why ``probe_superblock`` found nothing: never formatted, or formatted and corrupt.
+
+    Suggesting mkfs for a filesystem whose superblock record fails its checksum would invite
+    the user to destroy recoverable data, so the two cases get different messages.
+    """
+    marker = b'"magic":"retainzfs"'
+    for z in range(min(meta_zones, dev.nr_zones)):
+        zone = dev.zone(z)
+        if zone.wp and marker in dev.read(z, 0, min(zone.wp, 1 << 16)):
+            return (f"{target}: retainzfs metadata is corrupt (no superblock record passes its "
+                    f"checksum); not touching it (mkfs.retainzfs --force would erase it)")
+    return f"{target}: not a retainzfs filesystem (run mkfs.retainzfs first)"

@@ -7,7 +7,7 @@ import math
 import os
 import sys
 
-from .common import die, find_mount_of, is_retainzfs_mount
+from .common import die, find_mount_of, is_retainzfs_mount, no_superblock_message
 
 STATUS_XATTR = "user.retainz.status"
 
@@ -30,8 +30,9 @@ def _open_offline(target: str):
         die(str(e))
     sb = J.probe_superblock(dev)
     if sb is None:
+        msg = no_superblock_message(dev, target)
         dev.close()
-        die(f"{target}: not a retainzfs filesystem (run mkfs.retainzfs first)")
+        die(msg)
     try:
         store = Store(dev, StoreOptions(allocator=sb.get("allocator", "retainz"),
                                         gc_reserve=sb.get("gc_reserve", 1), readonly=True))

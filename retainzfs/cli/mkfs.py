@@ -56,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
             if J.probe_superblock(dev, args.meta_zones) is not None and not args.force:
                 dev.close()
                 die(f"{args.target} already holds a retainzfs filesystem; use --force to overwrite")
+            if not args.force:
+                from .common import no_superblock_message
+                msg = no_superblock_message(dev, args.target, args.meta_zones)
+                if "corrupt" in msg:      # a damaged retainzfs: erase it only when told to
+                    dev.close()
+                    die(f"{args.target} holds a damaged retainzfs filesystem; use --force to overwrite")
     except DeviceError as e:
         die(str(e))
     except ValueError as e:

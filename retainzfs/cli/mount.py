@@ -139,7 +139,8 @@ def _open_store(target: str, ours: dict):
     try:
         sb = J.probe_superblock(dev)
         if sb is None:
-            raise DeviceError(f"{target}: not a retainzfs filesystem (run mkfs.retainzfs first)")
+            from .common import no_superblock_message
+            raise DeviceError(no_superblock_message(dev, target))
         alloc = ours.get("allocator", sb.get("allocator", "retainz"))
         if alloc not in POLICIES:
             raise DeviceError(f"unknown allocator {alloc!r}; one of {', '.join(POLICIES)}")
