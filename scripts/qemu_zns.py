@@ -20,6 +20,13 @@ the cwd is shared read-write unless --ro-cwd; /tmp is a guest-private overlay.
 Output is streamed; the exit status is COMMAND's. Runner failures: 124 timeout,
 125 the guest never reported a status (boot failure, panic), 127 prerequisites
 missing (qemu, kernel, vng, busybox: see scripts/install_qemu_deps.sh).
+
+Notes: KVM does not work on this host (nested KVM hangs or fails an MSR), so
+this is TCG: ~30 s to boot on an idle 2-core machine, and guest code runs
+~25x slower than native; a python startup over 9p costs seconds (/usr and the
+python prefix are overmounted with 9p cache=loose to help). Zone state is not
+persisted by QEMU across boots. btrfs -O zoned on the 6.1 guest kernel
+deadlocks with max_active=8 after a few tens of MB (fine with --max-active 0).
 """
 
 from __future__ import annotations
@@ -209,7 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also add a regular namespace of this size (RETAINZ_CONV_DEV)")
     p.add_argument("--image", default=None,
                    help="use (and keep) this backing image instead of a fresh one; "
-                        "created sparse if missing")
+                        "created sparse if missing. Only the data persists: QEMU 7.2 "
+                        "keeps zone state in memory, so every zone is EMPTY (wp = start) "
+                        "at the next boot")
     p.add_argument("--mem", default="2G")
     p.add_argument("--cpus", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600.0,
