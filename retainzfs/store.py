@@ -187,7 +187,8 @@ class Store:
         self._save_est: dict[int, int] = {}               # stream -> previous generation's size
         self._pending_resets: set[int] = set()
         self._want_journal_flush = False
-        self._unsynced = False            # device writes not yet covered by a device flush
+        self._wgen = 0                    # device writes so far ...
+        self._sgen = 0                    # ... of which a device flush covers this many
         self.replayed_records = 0
         self.journal_truncated = not info["clean"]
         self._load(info)
@@ -964,7 +965,7 @@ class Store:
             self._ensure_open_slot(zone)
             zoff = self.dev.zone(zone).wp
             self.dev.write(zone, zoff, chunk)
-            self._unsynced = True
+            self._wgen += 1
             with self.lock:
                 inode = self.inodes.get(ino)
                 self.alloc.note_write(zone, payload, hint.reclaim, True)
@@ -1024,17 +1025,34 @@ class Store:
         """Write queued records (io_lock held; the namespace lock only to detach them)."""
         with self.lock:
             plan = self.journal.prepare()
-            if plan is None and not (sync and self._unsynced):
+            if plan is None and not sync:
                 return
-            self._unsynced = False
         if plan is not None:
             nxt = self.journal.active if plan[0] == "append" else \
                 (self.journal.active + 1) % self.meta_zones
             self._ensure_open_slot(nxt)
+        g = self._wgen = self._wgen + (plan is not None)
         self.journal.commit(plan, sync=sync)
+        if sync:
+            self._sgen = max(self._sgen, g)
         self.open_lru.pop(self.journal.active, None)
-        if not sync:
-            self._unsynced = True
+
+    def _device_flush(self) -> None:
+        g = self._wgen
+        self.dev.flush()
+        self._sgen = max(self._sgen, g)
+
+    def _flush_durably(self) -> None:
+        """Data, then the journal records that point at them, made durable in that order.
+
+        The device flushes run outside io_lock, so writers of other files are not stalled
+        behind a flush of everything the page cache / device cache holds."""
+        if self._wgen != self._sgen:
+            self._device_flush()
+        with self.io_lock:
+            self._journal_flush(sync=False)
+        if self._wgen != self._sgen:
+            self._device_flush()
 
     def commit(self, ino: int, durable: bool, check_policy: bool = True) -> None:
         """close(2) (durable=False) or fsync (durable=True): data + extents + attributes out."""
@@ -1058,7 +1076,9 @@ class Store:
                         self._load_policy(inode.parent)
                     except H.HintError as e:
                         policy_error = e
-            self._journal_flush(sync=durable)
+            self._journal_flush(sync=False)
+        if durable:
+            self._flush_durably()
         self.commit_ms.append((time.perf_counter() - t0) * 1000.0)
         if len(self.commit_ms) > 100000:
             del self.commit_ms[:50000]
@@ -1082,8 +1102,8 @@ class Store:
 
     def sync(self) -> None:
         """Everything queued becomes durable (periodic flush, syncfs, unmount)."""
-        with self.io_lock:
-            self._journal_flush(sync=True)
+        if self.journal.has_pending() or self._wgen != self._sgen:
+            self._flush_durably()
 
     # ------------------------------------------------------------------ reclaim
     def _reset_empty_zones(self) -> None:
@@ -1177,7 +1197,7 @@ class Store:
             self._ensure_open_slot(zone)
             zoff = self.dev.zone(zone).wp
             self.dev.write(zone, zoff, chunk)
-            self._unsynced = True
+            self._wgen += 1
             with self.lock:
                 self.alloc.note_write(zone, payload, h.reclaim, True)
                 if nbytes > payload:

@@ -206,8 +206,13 @@ def aggregate(runs: list[dict]) -> list[dict]:
         row["stats"] = stats
         out.append(row)
     gorder = {"pressure": 0, "admission": 1, "placement": 2, "sensitivity": 3}
+    porder = {p: i for i, p in enumerate(("retainz", "zenfs", "equal-epoch", "retainz-notail",
+                                          "retainz-nodbt", "retainz-nospan", "retainz-nosize",
+                                          "isolate"))}
     out.sort(key=lambda r: (gorder.get(r["group"], 9), r["load"] if r["group"] == "pressure"
-                            else 0, r["order"], r["label"], r["policy"]))
+                            else 0, r["order"], r["label"],
+                            r["order"] if r["group"] == "placement" else
+                            porder.get(r["policy"], 99), r["policy"]))
     return out
 
 
@@ -256,17 +261,23 @@ def relative_lines(rows: list[dict]) -> list[str]:
         return r["stats"][m]["mean"] if r and m in r["stats"] else None
     out = []
 
-    def rel(name, a, b, paper, lower=True):
+    def rel(name, a, b, paper):
         if a is None or b is None or b == 0:
             return
         d = (b - a) / b * 100.0
-        out.append(f"- {name}: {a:.3f} vs {b:.3f} -> {d:+.1f}% {'lower' if lower else ''}"
-                   f" (paper: {paper})")
+        word = "lower" if d >= 0 else "HIGHER"
+        out.append(f"- {name}: {a:.3f} vs {b:.3f} -> {abs(d):.1f}% {word} (paper: {paper})")
     for load in ("load 0.84",):
         a, b = mean("pressure", load, "retainz"), mean("pressure", load, "zenfs")
         if a is not None and b:
             out.append(f"- reserved overhead at 84%, retainz / zenfs = {a / b:.2f} "
                        f"(required <= 0.65; paper 3.80 / 6.53 = 0.58)")
+        rel("retainz vs zenfs p99 (wall) at 84%",
+            mean("pressure", load, "retainz", "p99_commit_ms"),
+            mean("pressure", load, "zenfs", "p99_commit_ms"), "44.8 vs 85.3 ms, 47.5% lower")
+        rel("retainz vs zenfs p99 (CPU) at 84%",
+            mean("pressure", load, "retainz", "p99_commit_cpu_ms"),
+            mean("pressure", load, "zenfs", "p99_commit_cpu_ms"), "44.8 vs 85.3 ms, 47.5% lower")
     pl = "84%, common admission"
     rel("retainz vs equal-epoch reserved overhead (84%, CA)", mean("placement", pl, "retainz"),
         mean("placement", pl, "equal-epoch"), "34.1% lower")
@@ -280,8 +291,12 @@ def relative_lines(rows: list[dict]) -> list[str]:
     for zs in ("zone 16 MiB (84%)", "zone 64 MiB (84%)"):
         rel(f"retainz vs zenfs reserved overhead, {zs}", mean("sensitivity", zs, "retainz"),
             mean("sensitivity", zs, "zenfs"), "43.4% lower (4-64 MiB)")
-        rel(f"retainz vs zenfs p99, {zs}", mean("sensitivity", zs, "retainz", "p99_commit_ms"),
+        rel(f"retainz vs zenfs p99 (wall), {zs}",
+            mean("sensitivity", zs, "retainz", "p99_commit_ms"),
             mean("sensitivity", zs, "zenfs", "p99_commit_ms"), "38.2% lower (4-64 MiB)")
+        rel(f"retainz vs zenfs p99 (CPU), {zs}",
+            mean("sensitivity", zs, "retainz", "p99_commit_cpu_ms"),
+            mean("sensitivity", zs, "zenfs", "p99_commit_cpu_ms"), "38.2% lower (4-64 MiB)")
     return out
 
 
@@ -346,39 +361,40 @@ def make_figures(rows: list[dict], out: str) -> list[str]:
         if r["group"] == "pressure" and r["policy"] not in policies:
             policies.append(r["policy"])
     colors = {"retainz": "tab:blue", "zenfs": "tab:red", "equal-epoch": "tab:green"}
+    porder = ("retainz", "zenfs", "equal-epoch")
+    policies.sort(key=lambda p: (porder.index(p) if p in porder else 9, p))
     metrics = (("reserved_overhead_zones", "reserved overhead (zones)"),
                ("host_wa", "host write amplification"),
-               ("p99_commit_ms", "p99 save latency (ms, wall)"))
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+               ("p99_commit_cpu_ms", "p99 save latency (ms, thread CPU)"),
+               ("p99_commit_ms", "p99 save latency (ms, wall clock)"))
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.8))
     for ax, (m, title) in zip(axes, metrics):
+        stops = []
         for p in policies:
             pts = _series(rows, "pressure", p, m)
             if not pts:
                 continue
             ok = [x for x in pts if x[1] is not None]
             xs = [x[0] * 100 for x in ok]
-            c = colors.get(p)
-            line, = ax.plot(xs, [x[1] for x in ok], marker="o", label=p, color=c)
+            line, = ax.plot(xs, [x[1] for x in ok], marker="o", label=p, color=colors.get(p))
             c = line.get_color()
             ax.fill_between(xs, [x[2] for x in ok], [x[3] for x in ok], alpha=0.2, color=c)
             part = [(x[0] * 100, x[1]) for x in ok if x[4]]          # some seeds stopped
             if part:
-                ax.scatter([a for a, _ in part], [b for _, b in part], marker="x", s=80,
-                           color=c, zorder=5)
-            allstop = [x[0] * 100 for x in pts if x[1] is None]       # every seed stopped
-            if allstop:
-                y0 = ax.get_ylim()[1]
-                ax.scatter(allstop, [y0] * len(allstop), marker="v", s=80, color=c, zorder=5,
-                           clip_on=False)
-                for xv in allstop:
-                    ax.annotate("stop", (xv, y0), textcoords="offset points", xytext=(0, -14),
-                                ha="center", fontsize=7, color=c)
+                ax.scatter([a for a, _ in part], [b for _, b in part], marker="x", s=90,
+                           color="k", zorder=6, linewidths=1.5)
+            stops += [(x[0] * 100, c) for x in pts if x[1] is None]   # every seed stopped
+        y0 = ax.get_ylim()[1]
+        for xv, c in stops:
+            ax.scatter([xv], [y0], marker="v", s=90, color=c, zorder=6, clip_on=False)
+            ax.annotate("stop", (xv, y0), textcoords="offset points", xytext=(-4, -15),
+                        ha="right", fontsize=7, color=c)
         ax.set_xlabel("peak live load (% of data capacity)")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("Pressure sweep, fixed GC reserve (band = min–max over completed seeds; "
-                 "x = some seeds stopped; ▼ stop = every seed hit a capacity stop)", fontsize=9)
+    axes[0].legend(fontsize=8, loc="center left")
+    fig.suptitle("Pressure sweep, fixed GC reserve: mean and min–max band over the seeds that "
+                 "completed; x = some seeds hit a capacity stop; ▼ = every seed did", fontsize=9)
     fig.tight_layout()
     for ext in ("png", "pdf"):
         p = os.path.join(out, f"pressure.{ext}")
@@ -538,10 +554,31 @@ def add_sweep_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="keep finished runs of an earlier sweep in --out, run the rest")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--report-only", action="store_true",
+                   help="no replays: rebuild table.md, results.json and the figures from "
+                        "--out/runs.jsonl")
     return p
 
 
 def run_sweep(args: argparse.Namespace) -> int:
+    if args.report_only:
+        runs_path = os.path.join(args.out, "runs.jsonl")
+        try:
+            with open(runs_path) as f:
+                runs = [json.loads(line) for line in f if line.strip()]
+        except OSError as e:
+            print(f"retainzfs sweep: {runs_path}: {e.strerror}", file=sys.stderr)
+            return 1
+        meta = {"jobs": args.jobs, "report_only": True, "elapsed_s": 0.0}
+        try:
+            with open(os.path.join(args.out, "results.json")) as f:
+                meta = json.load(f).get("meta", meta)
+        except (OSError, ValueError):
+            pass
+        out = write_outputs(runs, args.out, meta)
+        print(out["table"])
+        print("figures: " + ", ".join(out["figures"]), file=sys.stderr)
+        return 0
     if args.quick:
         loads = _floats(args.loads) if args.loads else [0.84, 0.90]
         seeds = _ints(args.seeds) if args.seeds else [1]

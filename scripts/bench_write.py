@@ -70,6 +70,7 @@ def main() -> int:
     ap.add_argument("--dir", default="/var/tmp/rzbench")
     ap.add_argument("--zone-size", default="64M")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--options", default="", help="mount -o options")
     args = ap.parse_args()
     size = parse_size(args.size)
     os.makedirs(args.dir, exist_ok=True)
@@ -80,7 +81,7 @@ def main() -> int:
     dev_size = max(size * 2, 1 << 30)
     subprocess.run(["mkfs.retainzfs", "-q", "--force", "--size", str(dev_size), "--zone-size",
                     args.zone_size, "--max-open", "14", "--max-active", "14", img], check=True)
-    proc = subprocess.Popen(["mount.retainzfs", "-f", img, mnt], stderr=subprocess.PIPE)
+    proc = subprocess.Popen(["mount.retainzfs", "-f", img, mnt] + (["-o", args.options] if args.options else []), stderr=subprocess.PIPE)
     try:
         wait_mounted(mnt, proc)
         t_fuse = write_file(os.path.join(mnt, "checkpoint.bin"), size, direct=False)
