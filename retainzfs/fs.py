@@ -197,7 +197,11 @@ class RetainzOperations(pyfuse3.Operations):
 
     @_fuse_errors
     async def write(self, fh, off, buf):
-        return await _run(self.store.write, self._ino(fh), off, buf)
+        ino = self._ino(fh)
+        n = self.store.buffer_write(ino, off, buf)
+        if n is None:
+            n = await _run(self.store.write, ino, off, buf)
+        return n
 
     @_fuse_errors
     async def flush(self, fh):

@@ -24,6 +24,7 @@ import math
 import os
 import stat
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 import uuid as uuidlib
 from dataclasses import dataclass, field
@@ -82,6 +83,9 @@ class Inode:
     wbuf: WriteBuffer = field(default_factory=WriteBuffer)
     dirty: bool = False
     policy_dirty: bool = False     # a .retainz written/truncated since its last validation
+    inflight: int = 0              # buffered bytes a zone write is moving out right now
+    flushing: object = None        # Future of the background flush of this file, if any
+    flush_err: object = None       # error of a background flush, reported at the next call
 
     @property
     def is_dir(self) -> bool:
@@ -187,6 +191,8 @@ class Store:
         self._save_est: dict[int, int] = {}               # stream -> previous generation's size
         self._pending_resets: set[int] = set()
         self._want_journal_flush = False
+        # full write buffers go to zones in the background while FUSE keeps accepting writes
+        self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rz-flush")
         self._wgen = 0                    # device writes so far ...
         self._sgen = 0                    # ... of which a device flush covers this many
         self.replayed_records = 0
@@ -780,6 +786,25 @@ class Store:
             inode.opens += 1
             return inode
 
+    def buffer_write(self, ino: int, off: int, data: bytes) -> int | None:
+        """Append to the file's write buffer if that needs no device I/O; else None.
+
+        Lets the FUSE adapter answer most writes on the event loop without a thread hop; the
+        writes that would fill the buffer go through ``write`` in a worker thread."""
+        with self.lock:
+            inode = self._get(ino)
+            buf = inode.wbuf
+            n = len(data)
+            if (n == 0 or inode.flush_err is not None or (buf and off != buf.end)
+                    or len(buf) - inode.inflight + n >= self.opts.flush_bytes):
+                return None
+            buf.append(off, data)
+            inode.mtime = inode.ctime = now_ns()
+            if off + n > inode.size:
+                inode.size = off + n
+            inode.dirty = inode.policy_dirty = True
+            return n
+
     def write(self, ino: int, off: int, data: bytes) -> int:
         n = len(data)
         if n == 0:
@@ -796,13 +821,61 @@ class Store:
                     if off + n > inode.size:
                         inode.size = off + n
                     inode.dirty = inode.policy_dirty = True
-                    full = len(buf) >= self.opts.flush_bytes
+                    full = len(buf) - inode.inflight >= self.opts.flush_bytes
             if need_flush:
                 self._flush_data(ino, final=True)
                 continue
             if full:
-                self._flush_data(ino, final=False)
+                self._flush_background(ino)
             return n
+
+    def _flush_background(self, ino: int) -> None:
+        """Queue a zone write of the full buffer; at most one in flight per file (bounded RAM)."""
+        with self.lock:
+            inode = self.inodes.get(ino)
+            if inode is None:
+                return
+            prev = inode.flushing
+        if prev is not None:
+            prev.result()                     # the previous chunk must be out first
+        self._check_flush_error(ino)
+        with self.lock:
+            inode = self.inodes.get(ino)
+            if inode is not None:
+                inode.flushing = self._flusher.submit(self._bg_flush, ino)
+
+    def _bg_flush(self, ino: int) -> None:
+        try:
+            self._flush_data(ino, final=False)
+        except OSError as e:
+            with self.lock:
+                inode = self.inodes.get(ino)
+                if inode is not None:
+                    inode.flush_err = e
+        except Exception as e:                # never lose an error silently
+            log.exception("background flush of inode %d", ino)
+            with self.lock:
+                inode = self.inodes.get(ino)
+                if inode is not None:
+                    inode.flush_err = FsError(errno.EIO, str(e))
+
+    def _wait_flush(self, ino: int) -> None:
+        """Wait for the file's background flush and raise its error, if any."""
+        with self.lock:
+            inode = self.inodes.get(ino)
+            fut = inode.flushing if inode is not None else None
+        if fut is not None:
+            fut.result()
+        self._check_flush_error(ino)
+
+    def _check_flush_error(self, ino: int) -> None:
+        with self.lock:
+            inode = self.inodes.get(ino)
+            err = inode.flush_err if inode is not None else None
+            if err is not None:
+                inode.flush_err = None
+        if err is not None:
+            raise FsError(err.errno or errno.EIO, str(err))
 
     def read(self, ino: int, off: int, size: int) -> bytes:
         with self.lock:
@@ -834,6 +907,7 @@ class Store:
         return bytes(out)
 
     def truncate(self, ino: int, size: int) -> None:
+        self._wait_flush(ino)
         self._flush_data(ino, final=True)
         with self.io_lock:
             with self.lock:
@@ -995,6 +1069,7 @@ class Store:
                         return
                 data = inode.wbuf.prefix(n)
                 off = inode.wbuf.off
+                inode.inflight = n
                 if inode.hint is None:
                     inode.hint = self._resolve_hint(inode)
                     if inode.hint.birth > self.now:
@@ -1007,12 +1082,15 @@ class Store:
                     inode = self.inodes.get(ino)
                     if inode is not None:
                         inode.wbuf.clear()
+                        inode.inflight = 0
                         inode.size = max((e.end for e in inode.extents), default=0)
                 raise
             with self.lock:
                 inode = self.inodes.get(ino)
-                if inode is not None and inode.wbuf.off == off:
-                    inode.wbuf.drop(n)
+                if inode is not None:
+                    inode.inflight = 0
+                    if inode.wbuf.off == off:
+                        inode.wbuf.drop(n)
             self._maybe_flush_journal()
         self._reset_empty_zones()
 
@@ -1057,6 +1135,7 @@ class Store:
     def commit(self, ino: int, durable: bool, check_policy: bool = True) -> None:
         """close(2) (durable=False) or fsync (durable=True): data + extents + attributes out."""
         t0 = time.perf_counter()
+        self._wait_flush(ino)
         self._flush_data(ino, final=True)
         policy_error = None
         with self.io_lock:
@@ -1314,11 +1393,12 @@ class Store:
 
     def close(self) -> None:
         """Unmount: commit every buffered file, flush the journal, release the device."""
-        for ino in [i.ino for i in self.inodes.values() if i.wbuf]:
+        for ino in [i.ino for i in self.inodes.values() if i.wbuf or i.flushing is not None]:
             try:
                 self.commit(ino, durable=False)
             except OSError as e:
                 log.error("unmount: could not commit inode %d: %s", ino, e)
+        self._flusher.shutdown(wait=True)
         self.sync()
         self.dev.flush()
 

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from retainzfs.cli.common import parse_size  # noqa: E402
 
 CHUNK = 1 << 20
+PHASES: list[tuple[float, float]] = []   # (write s, fsync s) per run
 
 
 def pattern() -> mmap.mmap:
@@ -39,7 +40,9 @@ def write_file(path: str, size: int, direct: bool) -> float:
     try:
         for _ in range(size // CHUNK):
             os.write(fd, buf)
+        t1 = time.perf_counter()
         os.fsync(fd)
+        PHASES.append((t1 - t0, time.perf_counter() - t1))
     finally:
         os.close(fd)
     return time.perf_counter() - t0
@@ -96,7 +99,9 @@ def main() -> int:
     mib = size / (1 << 20)
     res = {"size_bytes": size, "fuse_MiBps": round(mib / t_fuse, 1),
            "odirect_MiBps": round(mib / t_direct, 1), "ratio": round(t_direct / t_fuse, 3),
-           "daemon_peak_rss_MiB": round(rss / (1 << 20), 1)}
+           "daemon_peak_rss_MiB": round(rss / (1 << 20), 1),
+           "fuse_write_s": round(PHASES[0][0], 2), "fuse_fsync_s": round(PHASES[0][1], 2),
+           "odirect_write_s": round(PHASES[1][0], 2), "odirect_fsync_s": round(PHASES[1][1], 2)}
     if args.json:
         print(json.dumps(res))
     else:
@@ -104,6 +109,8 @@ def main() -> int:
         print(f"O_DIRECT file     : {res['odirect_MiBps']:8.1f} MiB/s")
         print(f"ratio             : {res['ratio']:.3f}   (target >= 0.6)")
         print(f"daemon peak RSS   : {res['daemon_peak_rss_MiB']:.1f} MiB (target <= 300)")
+        print(f"phases (write/fsync s): mount {res['fuse_write_s']}/{res['fuse_fsync_s']}, "
+              f"O_DIRECT {res['odirect_write_s']}/{res['odirect_fsync_s']}")
     return 0
 
 

@@ -170,6 +170,23 @@ def _default_log(mnt: str) -> str:
     return os.path.join(base, f"{name}.log")
 
 
+def _tune_malloc() -> None:
+    """Keep 1 MiB request buffers on the heap instead of a fresh mmap per FUSE write.
+
+    pyfuse3 allocates a new bytes object for every write request; above glibc's default
+    128 KiB mmap threshold each one costs an mmap, 256 page faults and an munmap, which was
+    a third of the per-request time.  Heap reuse is bounded by the write buffers (FLUSH_BYTES
+    per open file)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        libc.mallopt(M_MMAP_THRESHOLD, 64 << 20)
+        libc.mallopt(M_TRIM_THRESHOLD, 256 << 20)
+    except (OSError, AttributeError):
+        pass
+
+
 def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: int | None) -> int:
     """Open, mount, serve until unmounted; report readiness (or the error) on notify_fd."""
     import pyfuse3
@@ -184,6 +201,7 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
             os.close(notify_fd)
 
     log = logging.getLogger("retainzfs")
+    _tune_malloc()
     try:
         dev, store = _open_store(target, ours)
     except DeviceError as e:
