@@ -284,7 +284,12 @@ def test_unlink_rmdir_rmtree_beside_writers(mounted):
     f.write(b"b" * 100_000)
     f.close()
     assert not d.exists()
+    # RELEASE is sent asynchronously after close(2): wait until the unlinked file is freed
+    deadline = time.monotonic() + 10
     st = mounted.status()
+    while st["files"] != sum(len(fs) for _, _, fs in os.walk(mounted.path)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        st = mounted.status()
     mounted.remount()
     st2 = mounted.status()
     assert st2["live_bytes"] == st["live_bytes"]
