@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import stat
 
 import pyfuse3
 import trio
@@ -286,6 +285,3 @@ def fuse_options(fsname: str, extra: list[str] | None = None) -> set[str]:
         opts.add(o)
     return opts
 
-
-def is_dir_mode(mode: int) -> bool:
-    return stat.S_ISDIR(mode)

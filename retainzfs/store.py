@@ -248,7 +248,7 @@ class Store:
             return
         # orphans: unlinked files that were open when the daemon died
         for ino in [i for i in self.inodes.values() if i.nlink == 0]:
-            self._free_inode(ino, journal=True)
+            self._free_inode(ino)
         for d in list(self.inodes.values()):
             if d.is_dir and H.POLICY_NAME in d.entries:
                 self._load_policy(d.ino, quiet=True)
@@ -267,8 +267,6 @@ class Store:
             ino.extents = ExtentMap()
             for off, length, zone, zoff, hint in d.get("e", []):
                 ino.extents.add(off, length, zone, zoff, float(hint))
-            for name in d.get("d", []):
-                pass
             self.inodes[ino.ino] = ino
         for d in doc["inodes"]:
             parent = self.inodes[d["i"]]
@@ -485,28 +483,35 @@ class Store:
         if inode.nlink <= 0:
             inode.nlink = 0
             if inode.opens == 0:
-                self._free_inode(inode, journal=True)
+                self._free_inode(inode)
                 return
         self._save_inode(inode)
 
-    def _free_inode(self, inode: Inode, journal: bool) -> None:
+    def _free_inode(self, inode: Inode) -> None:
         inode.wbuf.clear()
         if inode.is_dir:
             self.policies.pop(inode.ino, None)
         dead = self._do(J.INODE_DEL, J.pack_json({"i": inode.ino}))
         self._dead(dead)
 
+    def _child(self, parent: int, name: bytes) -> tuple[Inode, Inode]:
+        """(directory, entry) for a name that must exist (lock held)."""
+        p = self._dir(parent)
+        ino = p.entries.get(name)
+        if ino is None:
+            raise FsError(errno.ENOENT)
+        return p, self.inodes[ino]
+
+    def _del_entry(self, p: Inode, name: bytes) -> None:
+        self._do(J.DIRENT_DEL, J.pack_json({"p": p.ino, "n": name.decode("latin-1"),
+                                            "t": now_ns()}))
+
     def unlink(self, parent: int, name: bytes) -> None:
         with self.lock:
-            p = self._dir(parent)
-            ino = p.entries.get(name)
-            if ino is None:
-                raise FsError(errno.ENOENT)
-            inode = self.inodes[ino]
+            p, inode = self._child(parent, name)
             if inode.is_dir:
                 raise FsError(errno.EISDIR)
-            self._do(J.DIRENT_DEL, J.pack_json({"p": p.ino, "n": name.decode("latin-1"),
-                                                "t": now_ns()}))
+            self._del_entry(p, name)
             if name == H.POLICY_NAME:
                 self.policies.pop(p.ino, None)
                 self.policy_errors.pop(p.ino, None)
@@ -515,22 +520,17 @@ class Store:
 
     def rmdir(self, parent: int, name: bytes) -> None:
         with self.lock:
-            p = self._dir(parent)
-            ino = p.entries.get(name)
-            if ino is None:
-                raise FsError(errno.ENOENT)
-            inode = self.inodes[ino]
+            p, inode = self._child(parent, name)
             if not inode.is_dir:
                 raise FsError(errno.ENOTDIR)
             if inode.entries:
                 raise FsError(errno.ENOTEMPTY)
-            self._do(J.DIRENT_DEL, J.pack_json({"p": p.ino, "n": name.decode("latin-1"),
-                                                "t": now_ns()}))
+            self._del_entry(p, name)
             p.nlink -= 1
             self._save_inode(p)
             inode.nlink = 0
             if inode.opens == 0 and inode.lookups == 0:
-                self._free_inode(inode, journal=True)
+                self._free_inode(inode)
             else:
                 self._save_inode(inode)
 
@@ -584,7 +584,7 @@ class Store:
                     self._save_inode(np_)
                     victim.nlink = 0
                     if victim.opens == 0 and victim.lookups == 0:
-                        self._free_inode(victim, journal=True)
+                        self._free_inode(victim)
                 else:
                     self._drop_link(victim)
             for d, n in ((op, old_name), (np_, new_name)):
@@ -648,7 +648,7 @@ class Store:
                 return
             inode.lookups = max(0, inode.lookups - n)
             if inode.is_dir and inode.nlink == 0 and inode.lookups == 0 and inode.opens == 0:
-                self._free_inode(inode, journal=True)
+                self._free_inode(inode)
 
     # ------------------------------------------------------------------ xattrs
     def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
@@ -1176,7 +1176,7 @@ class Store:
                     if inode.opens == 0:
                         self.alloc.release_writer(ino)
                     if inode.nlink == 0 and inode.opens == 0:
-                        self._free_inode(inode, journal=True)
+                        self._free_inode(inode)
             self._reset_empty_zones()
 
     def sync(self) -> None:
