@@ -17,7 +17,9 @@ setup(
     ext_modules=cythonize(extensions, language_level="3",
                           compiler_directives={"boundscheck": False, "wraparound": False}),
     install_requires=["pyfuse3>=3.3", "trio>=0.22", "crc32c>=2.3", "rich>=13", "tqdm>=4.60",
-                      "matplotlib>=3.7"],
+                      "matplotlib>=3.7",
+                      "numpy>=1.24",      # replay's pattern bytes
+                      "regex>=2023.0"],   # .retainz regexes with a match timeout
     extras_require={"test": ["pytest>=8", "hypothesis>=6",
                              # tests/test_frameworks.py: the real framework packages
                              "lightning>=2.2", "transformers>=4.46", "accelerate>=0.26",

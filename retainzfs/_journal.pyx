@@ -80,23 +80,24 @@ def decode_records(buf, Py_ssize_t start=0, Py_ssize_t block_size=4096):
     cdef Py_ssize_t pos = start, total = view.shape[0], length, nxt
     cdef unsigned int crc
     cdef list out = []
-    while pos + HEADER_SIZE <= total:
-        crc = view[pos] | (view[pos + 1] << 8) | (view[pos + 2] << 16) | (<unsigned int>view[pos + 3] << 24)
-        length = view[pos + 4] | (view[pos + 5] << 8) | (view[pos + 6] << 16) | (<Py_ssize_t>view[pos + 7] << 24)
-        if length == 0 and crc == 0:
-            # padding: skip to the next block boundary
-            nxt = ((pos // block_size) + 1) * block_size
-            if _all_zero(view, pos, min(nxt, total)):
-                pos = nxt
-                continue
-            return out, pos, False
-        if length <= 0 or length > MAX_RECORD or pos + 8 + length > total:
-            return out, pos, False
-        body = bytes(view[pos + 4:pos + 8 + length])
-        if _crc32c(body) != crc:
-            return out, pos, False
-        out.append((view[pos + 8], body[5:], pos))
-        pos += 8 + length
+    while pos < total:
+        nxt = ((pos // block_size) + 1) * block_size
+        if pos + HEADER_SIZE <= total:
+            crc = view[pos] | (view[pos + 1] << 8) | (view[pos + 2] << 16) | (<unsigned int>view[pos + 3] << 24)
+            length = view[pos + 4] | (view[pos + 5] << 8) | (view[pos + 6] << 16) | (<Py_ssize_t>view[pos + 7] << 24)
+            if 0 < length <= MAX_RECORD and pos + 8 + length <= total:
+                body = bytes(view[pos + 4:pos + 8 + length])
+                if _crc32c(body) == crc:
+                    out.append((view[pos + 8], body[5:], pos))
+                    pos += 8 + length
+                    continue
+        # Not a valid record here.  A flush pads its batch with zeros to the block boundary, and
+        # that padding may be shorter than a record header (1..8 bytes): zeros up to the next
+        # block boundary are padding, whatever their length.
+        if _all_zero(view, pos, min(nxt, total)):
+            pos = nxt
+            continue
+        return out, pos, False
     return out, min(pos, total), True
 
 

@@ -470,6 +470,38 @@ def _punch_hole(fd: int, off: int, length: int) -> bool:
     return _libc_fallocate(fd, 0x01 | 0x02, off, length) == 0
 
 
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def _pwritev_all(fd: int, parts, off: int, n: int, path: str) -> None:
+    """Write a scatter list completely: at most IOV_MAX buffers per call, short writes resumed.
+
+    Why: one ``pwritev`` accepts at most IOV_MAX buffers (EINVAL beyond) and may write less
+    than asked; a file written in many small pieces must never fail or lose bytes for either.
+    """
+    views = [p if type(p) is memoryview else memoryview(p) for p in parts]
+    i = 0
+    done = 0
+    while i < len(views):
+        batch = views[i:i + IOV_MAX]
+        want = sum(v.nbytes for v in batch)
+        w = os.pwritev(fd, batch, off + done)
+        if w <= 0 and want:
+            raise _err(errno.EIO, f"{path}: short write")
+        done += w
+        if w == want:
+            i += len(batch)
+            continue
+        # short: skip the fully written buffers, trim the partly written one
+        while w and views[i].nbytes <= w:
+            w -= views[i].nbytes
+            i += 1
+        if w:
+            views[i] = views[i].cast("B")[w:]
+    if done != n:
+        raise _err(errno.EIO, f"{path}: wrote {done} of {n} bytes")
+
+
 class ImageZonedDevice(ZonedDevice):
     """A zoned device emulated on a regular file (sparse; may exceed 4 GiB).
 
@@ -545,10 +577,8 @@ class ImageZonedDevice(ZonedDevice):
     def _io_write(self, zone: int, wp: int, data: Buffer, n: int) -> None:
         off = self._data_off + (zone << self._zshift) + wp
         if type(data) is list or type(data) is tuple:
-            done = os.pwritev(self._fd, data, off)
-            if done == n:
-                return
-            data = b"".join(data)           # short vectored write (rare): finish it flat
+            _pwritev_all(self._fd, data, off, n, self.path)
+            return
         done = os.pwrite(self._fd, data, off)
         if done != n:                       # short write (rare): finish it, or raise
             mv = memoryview(data).cast("B")

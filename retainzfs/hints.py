@@ -7,10 +7,15 @@ store only asks "what is the hint of this path?" and places data accordingly.
 from __future__ import annotations
 
 import errno
+import logging
 import math
 import re
 import tomllib
 from dataclasses import dataclass, field
+
+import regex       # policy regexes: like re, plus a per-match timeout (user-supplied patterns)
+
+log = logging.getLogger("retainzfs")
 
 XATTR_BIRTH = b"user.retainz.birth"
 XATTR_RECLAIM = b"user.retainz.reclaim"
@@ -23,7 +28,13 @@ XATTR_STATUS = b"user.retainz.status"
 VIRTUAL_XATTRS = (XATTR_ZONES, XATTR_HINT, XATTR_STATUS)
 
 POLICY_NAME = b".retainz"
+POLICY_MAX = 1 << 20           # a .retainz larger than this is refused, never read as empty
 INF = math.inf
+#: a user's generation/rolling regex may backtrack catastrophically; one match may take at most
+#: this long, and a policy whose pattern ever times out stops matching (and says so)
+MATCH_TIMEOUT = 0.01
+_PROBES = ["a" * 64 + "!", "1" * 64 + "!", "step-" + "1" * 60 + "x", "-_=." * 16 + "!",
+           "aA0-_=." * 9 + "\x00"]
 
 #: generation-name patterns of each framework preset (group 1 = birth epoch), checked against
 #: the layouts the real frameworks write (tests/test_frameworks.py):
@@ -86,9 +97,14 @@ class Policy:
     milestone_every: int | None = None
     preset: str | None = None
     stream: int | None = None
-    pattern: re.Pattern = field(default=re.compile(DEFAULT_GENERATION), compare=False, repr=False)
+    pattern: regex.Pattern = field(default=regex.compile(DEFAULT_GENERATION), compare=False,
+                                   repr=False)
     rolling: str | None = None
-    rolling_pattern: re.Pattern | None = field(default=None, compare=False, repr=False)
+    rolling_pattern: regex.Pattern | None = field(default=None, compare=False, repr=False)
+    #: name -> birth (or None): every name is matched once per policy
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
+    #: set when a match timed out: the pattern is disabled, the error is reported
+    slow: list = field(default_factory=list, compare=False, repr=False)
 
 
 def parse_int_xattr(name: bytes, value: bytes) -> int:
@@ -106,7 +122,10 @@ def validate_xattr(name: bytes, value: bytes) -> float | int:
     if name == XATTR_RECLAIM:
         if value.strip().lower() in (b"inf", b"infinity", b"anchor"):
             return INF
-        return parse_int_xattr(name, value)
+        v = parse_int_xattr(name, value)
+        if v < 0:
+            raise HintError(f"{name.decode()}: must be >= 0 (or inf)")
+        return v
     if name in (XATTR_BIRTH, XATTR_STREAM):
         v = parse_int_xattr(name, value)
         if v < 0:
@@ -154,10 +173,7 @@ def parse_policy(data: bytes) -> Policy:
         gen = PRESETS[preset] if preset else DEFAULT_GENERATION
     if not isinstance(gen, str):
         raise HintError(".retainz: generation must be a regex string")
-    try:
-        pat = re.compile(gen)
-    except re.error as e:
-        raise HintError(f".retainz: generation regex {gen!r}: {e}") from None
+    pat = _compile(gen, "generation")
     if pat.groups < 1:
         raise HintError(f".retainz: generation regex {gen!r} needs a group for the birth epoch")
     keep = _pos_int(doc, "keep_latest")
@@ -172,23 +188,56 @@ def parse_policy(data: bytes) -> Policy:
         if not isinstance(rolling, str):
             raise HintError(".retainz: rolling must be a regex string")
         if rolling:                       # rolling = "" switches a preset's rolling rule off
-            try:
-                rpat = re.compile(rolling)
-            except re.error as e:
-                raise HintError(f".retainz: rolling regex {rolling!r}: {e}") from None
+            rpat = _compile(rolling, "rolling")
     return Policy(keep, cadence, gen, milestone, preset, stream, pat,
                   rolling=rolling or None, rolling_pattern=rpat)
 
 
-def generation_birth(policy: Policy, name: str) -> int | None:
-    """Birth epoch encoded in a generation name, or None when the name is not a generation."""
-    m = policy.pattern.search(name)
-    if not m:
+def _compile(pat: str, what: str) -> regex.Pattern:
+    """Compile a policy regex; refuse one that is invalid or visibly too slow to match."""
+    try:
+        cp = regex.compile(pat)
+    except (regex.error, ValueError, OverflowError) as e:
+        raise HintError(f".retainz: {what} regex {pat!r}: {e}") from None
+    for probe in _PROBES:
+        try:
+            cp.search(probe, timeout=MATCH_TIMEOUT * 5)
+        except TimeoutError:
+            raise HintError(f".retainz: {what} regex {pat!r} is too slow to match "
+                            f"(catastrophic backtracking)") from None
+    return cp
+
+
+def _search(policy: Policy, pat: regex.Pattern, name: str):
+    """``pat.search(name)`` bounded in time; a timeout disables the policy's matching."""
+    if policy.slow:
         return None
     try:
-        return int(m.group(1))
-    except (TypeError, ValueError):
+        return pat.search(name, timeout=MATCH_TIMEOUT)
+    except TimeoutError:
+        policy.slow.append(f"regex {pat.pattern!r} took over {MATCH_TIMEOUT * 1000:.0f} ms "
+                           f"on {name[:60]!r}; matching disabled")
+        log.error(".retainz: %s", policy.slow[0])
         return None
+
+
+def generation_birth(policy: Policy, name: str) -> int | None:
+    """Birth epoch encoded in a generation name, or None when the name is not a generation."""
+    try:
+        return policy.cache[name]
+    except KeyError:
+        pass
+    m = _search(policy, policy.pattern, name)
+    birth = None
+    if m:
+        try:
+            birth = int(m.group(1))
+        except (TypeError, ValueError, IndexError):
+            birth = None
+    if len(policy.cache) > 100_000:
+        policy.cache.clear()
+    policy.cache[name] = birth
+    return birth
 
 
 def infer_cadence(births: list[int]) -> int | None:
@@ -232,7 +281,8 @@ def nongeneration_hint(policy: Policy, components: list[str], sibling_births: li
     Everything else (and a rolling file with no generation beside it yet) is an anchor.
     """
     name = components[-1] if components else ""
-    if policy.rolling_pattern is not None and policy.rolling_pattern.search(name) and sibling_births:
+    if (policy.rolling_pattern is not None and sibling_births
+            and _search(policy, policy.rolling_pattern, name)):
         birth = max(sibling_births)
         cadence = policy.cadence or infer_cadence(sibling_births) or max(birth, 1)
         return Hint(birth, float(birth + cadence), stream, "policy-rolling")

@@ -71,6 +71,7 @@ class Inode:
     target: bytes = b""
     xattrs: dict = field(default_factory=dict)
     hint: H.Hint | None = None
+    policy_src: bytes = b""        # dirs: the last valid .retainz text (stays in force)
     parent: int = 0
     name: bytes = b""
     extents: ExtentMap = field(default_factory=ExtentMap)
@@ -105,6 +106,8 @@ class Inode:
             d["x"] = {k.decode("latin-1"): v.decode("latin-1") for k, v in self.xattrs.items()}
         if self.hint is not None:
             d["h"] = [self.hint.birth, self.hint.reclaim, self.hint.stream, self.hint.source]
+        if self.policy_src:
+            d["ps"] = self.policy_src.decode("utf-8")
         return d
 
     def set_attrs(self, d: dict) -> None:
@@ -115,6 +118,7 @@ class Inode:
         self.xattrs = {k.encode("latin-1"): v.encode("latin-1") for k, v in d.get("x", {}).items()}
         h = d.get("h")
         self.hint = H.Hint(int(h[0]), float(h[1]), int(h[2]), h[3]) if h else None
+        self.policy_src = d.get("ps", "").encode("utf-8")
 
 
 @dataclass
@@ -197,6 +201,9 @@ class Store:
         self._sgen = 0                    # ... of which a device flush covers this many
         self.replayed_records = 0
         self.journal_truncated = not info["clean"]
+        # zone -> {"reason", "valid_upto", "files"}: zones a failure took out of service
+        self.bad_zones: dict[int, dict] = {}
+        self._capacity_stop = False
         self._load(info)
 
     # ------------------------------------------------------------------ recovery
@@ -221,6 +228,11 @@ class Store:
         for z in range(self.meta_zones, self.dev.nr_zones):
             zone = self.dev.zone(z)
             exts = live.get(z, [])
+            if zone.cond in (ZoneCond.READONLY, ZoneCond.OFFLINE):
+                # A failed zone costs only the files in it: never written, reset or GC'd; reads
+                # of an OFFLINE zone fail with EIO in the device, READONLY data stay readable.
+                self._mark_bad(z, zone.cond.name.lower(), exts)
+                continue
             if not exts:
                 if (zone.wp or zone.cond != ZoneCond.EMPTY) and self.opts.readonly:
                     self.alloc.note_write(z, zone.capacity if zone.cond == ZoneCond.FULL
@@ -229,10 +241,15 @@ class Store:
                     self.dev.reset(z)        # nothing live: garbage of an interrupted write
                     repaired.append(z)
                 continue
+            if zone.cond != ZoneCond.FULL and any(e.zoff + e.length > zone.wp for e in exts):
+                # The zone table says fewer bytes were written than the journal committed (a
+                # damaged table or a lost device cache): bytes past wp are not the file's data.
+                # Keep the zone out of placement, never write into it, fail reads past wp.
+                self._mark_bad(z, f"write pointer {zone.wp} behind committed data", exts,
+                               valid_upto=zone.wp)
+                continue
             lsum = 0
             for e in exts:
-                if e.zoff + e.length > zone.wp and zone.cond != ZoneCond.FULL:
-                    log.error("extent %r lies past zone %d write pointer %d", e, z, zone.wp)
                 self.alloc.note_write(z, e.length, e.hint, True)
                 lsum += e.length
             written = zone.capacity if zone.cond == ZoneCond.FULL else zone.wp
@@ -250,12 +267,31 @@ class Store:
         for ino in [i for i in self.inodes.values() if i.nlink == 0]:
             self._free_inode(ino)
         for d in list(self.inodes.values()):
-            if d.is_dir and H.POLICY_NAME in d.entries:
+            if d.is_dir and (H.POLICY_NAME in d.entries or d.policy_src):
                 self._load_policy(d.ino, quiet=True)
         if self.journal_truncated or self.replayed_records > 2000:
             with self.io_lock:
                 self.journal.roll()          # start a clean log after a torn/corrupt record
         self._reset_empty_zones()
+
+    def _mark_bad(self, z: int, why: str, exts: list, valid_upto: int | None = None) -> None:
+        """Take zone ``z`` out of service at mount (see ``bad_zones``); its files stay listed.
+
+        The allocator sees the zone as full of live data (it is never chosen, never a GC
+        victim); reads of bytes past ``valid_upto`` fail with EIO instead of returning what the
+        device holds there."""
+        lsum = 0
+        for e in exts:
+            self.alloc.note_write(z, e.length, e.hint, True)
+            lsum += e.length
+        if self.cap > lsum:
+            self.alloc.note_write(z, self.cap - lsum, INF, False)
+        self.alloc.note_finish(z)
+        files = sorted({self.path_of(ino.ino) for ino in self.inodes.values()
+                        for e in ino.extents.in_zone(z)}) if exts else []
+        self.bad_zones[z] = {"reason": why, "valid_upto": valid_upto, "files": files}
+        log.error("zone %d out of service (%s); %d files have data there%s", z, why, len(files),
+                  (": " + ", ".join(files[:5]) + (" ..." if len(files) > 5 else "")) if files else "")
 
     def _load_snapshot(self, snap: bytes) -> None:
         doc = json.loads(snap)
@@ -365,6 +401,13 @@ class Store:
         raise FsError(errno.EIO, f"unknown journal record type {rtype}")
 
     # ------------------------------------------------------------------ helpers
+    def _dev_read(self, zone: int, zoff: int, length: int) -> bytes:
+        """Read committed bytes; EIO for a range a zone failure made untrustworthy."""
+        bad = self.bad_zones.get(zone)
+        if bad is not None and bad["valid_upto"] is not None and zoff + length > bad["valid_upto"]:
+            raise FsError(errno.EIO, f"zone {zone}: {bad['reason']}")
+        return self.dev.read(zone, zoff, length)
+
     def _get(self, ino: int) -> Inode:
         inode = self.inodes.get(ino)
         if inode is None:
@@ -410,6 +453,8 @@ class Store:
                 return p
             if name == b"..":
                 return self.inodes.get(p.parent or ROOT_INO, p)
+            if len(name) > NAME_MAX:
+                raise FsError(errno.ENAMETOOLONG)
             ino = p.entries.get(name)
             if ino is None:
                 raise FsError(errno.ENOENT)
@@ -497,6 +542,8 @@ class Store:
     def _child(self, parent: int, name: bytes) -> tuple[Inode, Inode]:
         """(directory, entry) for a name that must exist (lock held)."""
         p = self._dir(parent)
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
         ino = p.entries.get(name)
         if ino is None:
             raise FsError(errno.ENOENT)
@@ -513,8 +560,7 @@ class Store:
                 raise FsError(errno.EISDIR)
             self._del_entry(p, name)
             if name == H.POLICY_NAME:
-                self.policies.pop(p.ino, None)
-                self.policy_errors.pop(p.ino, None)
+                self._load_policy(p.ino)          # no file: no policy
             self._drop_link(inode)
         self._reset_empty_zones()
 
@@ -539,6 +585,8 @@ class Store:
         RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
         with self.lock:
             op, np_ = self._dir(old_parent), self._dir(new_parent)
+            if len(old_name) > NAME_MAX:
+                raise FsError(errno.ENAMETOOLONG)
             self._check_name(new_name)
             ino = op.entries.get(old_name)
             if ino is None:
@@ -569,6 +617,14 @@ class Store:
                         raise FsError(errno.ENOTEMPTY)
                 elif moving.is_dir:
                     raise FsError(errno.ENOTDIR)
+            if new_name == H.POLICY_NAME and not moving.is_dir and (
+                    op.ino != np_.ino or old_name != new_name):
+                # refused like a write of a malformed .retainz: the rename does not happen
+                try:
+                    H.parse_policy(self._read_policy_file(moving))
+                except H.HintError as e:
+                    log.error("rename onto %s/.retainz refused: %s", self.path_of(np_.ino), e)
+                    raise FsError(errno.EINVAL, str(e)) from None
             self._do(J.RENAME, J.pack_json({"op": op.ino, "on": old_name.decode("latin-1"),
                                             "np": np_.ino, "nn": new_name.decode("latin-1"),
                                             "t": now_ns()}))
@@ -588,14 +644,11 @@ class Store:
                 else:
                     self._drop_link(victim)
             for d, n in ((op, old_name), (np_, new_name)):
-                if n == H.POLICY_NAME:
-                    self.policies.pop(d.ino, None)
-                    self.policy_errors.pop(d.ino, None)
-            if new_name == H.POLICY_NAME and not moving.is_dir:
-                try:
-                    self._load_policy(np_.ino)
-                except H.HintError:
-                    pass
+                if n == H.POLICY_NAME and d.ino in self.inodes:
+                    try:
+                        self._load_policy(d.ino)
+                    except H.HintError:
+                        pass
         self._reset_empty_zones()
 
     def readdir(self, ino: int, start: int) -> list[tuple[bytes, Inode, int]]:
@@ -703,27 +756,55 @@ class Store:
 
     # ------------------------------------------------------------------ hints
     def _load_policy(self, dir_ino: int, quiet: bool = False) -> None:
+        """(Re)load the ``.retainz`` of a directory (lock held).
+
+        A valid file becomes the policy and its text is journaled on the directory; a malformed
+        or unreadable one is an error (raised unless ``quiet``) and the previous valid policy
+        stays in force — also across remounts.  Removing the file removes the policy."""
         d = self.inodes[dir_ino]
         pino = d.entries.get(H.POLICY_NAME)
         if pino is None:
             self.policies.pop(dir_ino, None)
-            return
-        data = self._read_all(self.inodes[pino])
-        try:
-            self.policies[dir_ino] = H.parse_policy(data)
             self.policy_errors.pop(dir_ino, None)
+            if d.policy_src:
+                d.policy_src = b""
+                self._save_inode(d)
+            return
+        try:
+            data = self._read_policy_file(self.inodes[pino])
+            pol = H.parse_policy(data)
         except H.HintError as e:
             self.policy_errors[dir_ino] = str(e)
             log.error("%s: %s", self.path_of(pino), e)
+            if d.policy_src and dir_ino not in self.policies:
+                try:                          # after a remount: the last valid text
+                    self.policies[dir_ino] = H.parse_policy(d.policy_src)
+                except H.HintError:
+                    pass
             if not quiet:
                 raise
+            return
+        self.policies[dir_ino] = pol
+        self.policy_errors.pop(dir_ino, None)
+        if d.policy_src != data:
+            d.policy_src = data
+            self._save_inode(d)
+
+    def _read_policy_file(self, inode: Inode) -> bytes:
+        if not inode.is_reg:
+            raise H.HintError(".retainz: not a regular file")
+        if inode.size > H.POLICY_MAX:
+            raise H.HintError(f".retainz: {inode.size} bytes; a policy file may hold at most "
+                              f"{H.POLICY_MAX} bytes")
+        try:
+            return self._read_all(inode)
+        except OSError as e:
+            raise H.HintError(f".retainz: cannot read it: {e.strerror or e}") from None
 
     def _read_all(self, inode: Inode) -> bytes:
-        if inode.size > (1 << 20):
-            return b""
         out = bytearray(inode.size)
         for dst, zone, zoff, length in inode.extents.lookup(0, inode.size):
-            out[dst:dst + length] = self.dev.read(zone, zoff, length)
+            out[dst:dst + length] = self._dev_read(zone, zoff, length)
         if inode.wbuf:
             o = inode.wbuf.off
             out[o:o + len(inode.wbuf)] = inode.wbuf.slice(o, inode.wbuf.end)
@@ -894,10 +975,10 @@ class Store:
                 self._readers += 1
         try:
             if len(segs) == 1 and segs[0][0] == 0 and segs[0][3] == size and overlay is None:
-                return self.dev.read(segs[0][1], segs[0][2], size)
+                return self._dev_read(segs[0][1], segs[0][2], size)
             out = bytearray(size)
             for dst, zone, zoff, length in segs:
-                out[dst:dst + length] = self.dev.read(zone, zoff, length)
+                out[dst:dst + length] = self._dev_read(zone, zoff, length)
         finally:
             with self._readers_cv:
                 self._readers -= 1
@@ -998,6 +1079,7 @@ class Store:
                                 pass
                 if zone is not None:
                     ent[1] += nbytes
+                    self._capacity_stop = False
             if zone is not None:
                 for z in finish:
                     self._finish_zone(z)
@@ -1008,9 +1090,11 @@ class Store:
                     continue
                 with self.lock:
                     self.stats["enospc"] += 1
+                    self._capacity_stop = True
                 raise FsError(errno.ENOSPC, "no zone can take the data, even after GC")
         with self.lock:
             self.stats["enospc"] += 1
+            self._capacity_stop = True
         raise FsError(errno.ENOSPC, "GC made no progress")
 
     def _finish_zone(self, z: int) -> None:
@@ -1192,7 +1276,8 @@ class Store:
         with self.io_lock:
             with self.lock:
                 zones = [z for z in self._pending_resets
-                         if self.alloc.summary(z)["L"] <= 0 and self.alloc.summary(z)["W"] > 0]
+                         if self.alloc.summary(z)["L"] <= 0 and self.alloc.summary(z)["W"] > 0
+                         and self._resettable(z)]
                 self._pending_resets = set()
             if not zones:
                 return
@@ -1206,12 +1291,21 @@ class Store:
             with self.lock:
                 for z in zones:
                     self.alloc.note_reset(z)
+                    self.bad_zones.pop(z, None)
                     self.stats["zone_resets"] += 1
+                self._capacity_stop = False
+
+    def _resettable(self, z: int) -> bool:
+        """A failed (READONLY/OFFLINE) zone cannot be reset; one whose write pointer was
+        behind its data can, once nothing live is left in it."""
+        bad = self.bad_zones.get(z)
+        return bad is None or bad["valid_upto"] is not None
 
     def _gc_once(self) -> bool:
         """Copy the live data out of the best victim zone and reset it (io_lock held)."""
         with self.lock:
-            victims = [z for z in self.alloc.victims(8) if self.alloc.summary(z)["L"] < self.cap]
+            victims = [z for z in self.alloc.victims(8) if self.alloc.summary(z)["L"] < self.cap
+                       and z not in self.bad_zones]
         for victim in victims:
             with self.lock:
                 moves = [(i.ino, e.off, e.length, e.zoff, e.hint, i.hint or H.UNHINTED)
@@ -1242,6 +1336,7 @@ class Store:
             with self.lock:
                 self.alloc.note_reset(victim)
                 self.stats["zone_resets"] += 1
+                self._capacity_stop = False
             return True
         return False
 
@@ -1348,9 +1443,13 @@ class Store:
                 "journal_rolls": self.journal.rolls,
                 "commits": st["commits"], "p99_commit_ms": round(p99, 3),
                 "mean_alloc_us": (a["ns"] / a["places"] / 1000.0) if a.get("places") else 0.0,
-                "capacity_stop": st["enospc"] > 0, "enospc": st["enospc"],
+                "capacity_stop": self._capacity_stop, "enospc": st["enospc"],
+                "bad_zones": {str(z): {"reason": b["reason"], "files": b["files"]}
+                              for z, b in sorted(self.bad_zones.items())},
                 "files": sum(1 for i in self.inodes.values() if i.is_reg),
-                "policy_errors": {self.path_of(k): v for k, v in self.policy_errors.items()},
+                "policy_errors": {**{self.path_of(k): p.slow[0] for k, p in self.policies.items()
+                                     if p.slow},
+                                  **{self.path_of(k): v for k, v in self.policy_errors.items()}},
                 "journal_truncated": self.journal_truncated,
             }
 
@@ -1387,6 +1486,10 @@ class Store:
                 s = self.alloc.summary(z)
                 if s["L"] != per_zone.get(z, 0):
                     problems.append(f"zone {z}: summary live {s['L']} != extent map {per_zone.get(z, 0)}")
+                if z in self.bad_zones:
+                    problems.append(f"zone {z}: out of service ({self.bad_zones[z]['reason']}); "
+                                    f"files with data there: {len(self.bad_zones[z]['files'])}")
+                    continue
                 if self.dev.zone(z).cond != ZoneCond.FULL and s["W"] != self.dev.zone(z).wp:
                     problems.append(f"zone {z}: summary written {s['W']} != wp {self.dev.zone(z).wp}")
         return problems

@@ -1,13 +1,20 @@
-"""Per-file write buffer: a list of the chunks FUSE handed us, never joined.
+"""Per-file write buffer: the chunks FUSE handed us, never joined into one big buffer.
 
 Why not a bytearray: appending 1 MiB FUSE writes to a bytearray, slicing and deleting its front
-copies every byte three or four times.  Here the chunks stay as they arrived and go to the
-device as one scatter list (``os.pwritev``), so each byte is copied only by the kernel — which
-is what keeps the mount close to raw device speed.
+copies every byte three or four times.  Here large chunks stay as they arrived and go to the
+device as one scatter list (``os.pwritev``), so each byte is copied only by the kernel.
+
+Why small writes are coalesced: a file written a line at a time (a training log, fio's 4 KiB
+random layout) would otherwise become thousands of tiny parts, and one ``pwritev`` takes at most
+IOV_MAX (1024) of them.  Writes below ``SMALL`` are copied into a tail bytearray that is sealed
+(made an immutable part) when it reaches ``SMALL`` or when the buffer is sliced, so the number of
+parts is bounded by ``len / SMALL + (number of large writes)``.
 """
 from __future__ import annotations
 
 from bisect import bisect_right
+
+SMALL = 64 << 10        # writes below this are copied into the tail instead of kept as parts
 
 
 class Chunks:
@@ -45,12 +52,13 @@ class Chunks:
 
 class WriteBuffer:
     """Bytes of one file range [off, off + len) not yet placed in a zone."""
-    __slots__ = ("off", "chunks", "length")
+    __slots__ = ("off", "chunks", "length", "_tail")
 
     def __init__(self) -> None:
         self.off = 0
-        self.chunks: list = []
+        self.chunks: list = []          # immutable parts (bytes / memoryviews)
         self.length = 0
+        self._tail = bytearray()        # small writes being coalesced (after ``chunks``)
 
     def __len__(self) -> int:
         return self.length
@@ -62,18 +70,35 @@ class WriteBuffer:
     def end(self) -> int:
         return self.off + self.length
 
+    @property
+    def nparts(self) -> int:
+        return len(self.chunks) + (1 if self._tail else 0)
+
+    def _seal(self) -> None:
+        if self._tail:
+            self.chunks.append(bytes(self._tail))
+            self._tail = bytearray()
+
     def append(self, off: int, data) -> bool:
         """Add ``data`` at file offset ``off``; False when it is not contiguous with the buffer."""
         if self.length == 0:
             self.off = off
         elif off != self.off + self.length:
             return False
-        self.chunks.append(data)
-        self.length += len(data)
+        n = len(data)
+        if n < SMALL:
+            self._tail += data
+            if len(self._tail) >= SMALL:
+                self._seal()
+        else:
+            self._seal()
+            self.chunks.append(data)
+        self.length += n
         return True
 
     def prefix(self, n: int) -> Chunks:
         """The first ``n`` bytes, as a zero-copy view."""
+        self._seal()
         c = Chunks(self.chunks)
         return Chunks(c.slice(0, n))
 
@@ -83,6 +108,7 @@ class WriteBuffer:
             self.off += self.length
             self.clear()
             return
+        self._seal()
         c = Chunks(self.chunks)
         self.chunks = c.slice(n, c.length)
         self.off += n
@@ -90,8 +116,10 @@ class WriteBuffer:
 
     def slice(self, lo: int, hi: int) -> bytes:
         """Bytes of file range [lo, hi) (caller clips to the buffered range)."""
+        self._seal()
         return Chunks(self.chunks).tobytes(lo - self.off, hi - self.off)
 
     def clear(self) -> None:
         self.chunks = []
+        self._tail = bytearray()
         self.length = 0

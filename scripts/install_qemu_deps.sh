@@ -27,8 +27,8 @@ if ! compgen -G "/boot/vmlinuz-*" >/dev/null; then
 fi
 if ((${#missing[@]})); then
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -q
-    apt-get install -y -q --no-install-recommends "${missing[@]}"
+    apt-get -o DPkg::Lock::Timeout=900 update -q
+    apt-get -o DPkg::Lock::Timeout=900 install -y -q --no-install-recommends "${missing[@]}"
 else
     echo "install_qemu_deps: apt packages already installed"
 fi

@@ -8,12 +8,14 @@ cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
 PY=${PYTHON:-python3}
 need_apt=()
-for pkg in fuse3 libfuse3-dev pkg-config attr util-linux; do
+for pkg in fuse3 libfuse3-dev pkg-config attr util-linux fio; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
+# another apt/dpkg (unattended-upgrades on a fresh machine) may hold the lock: wait for it
+APT=(apt-get -o DPkg::Lock::Timeout=900 -o Acquire::Retries=3)
 if [ ${#need_apt[@]} -gt 0 ]; then
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+    "${APT[@]}" update -qq
+    "${APT[@]}" install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 if [ -f scripts/install_qemu_deps.sh ] && [ "${RETAINZFS_NO_QEMU:-0}" != 1 ]; then
     bash scripts/install_qemu_deps.sh

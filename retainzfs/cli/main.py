@@ -114,6 +114,10 @@ def cmd_fsck(args) -> int:
         st = store.status()
     finally:
         dev.close()
+    if st["journal_truncated"]:
+        # replay stopped before the end of the log: records after it are not applied
+        problems.append("journal: replay stopped at an unreadable record before the end of the "
+                        "log (metadata written after it is not visible)")
     for p in problems:
         print(p)
     print(f"{args.target}: {st['files']} files, {len(problems)} problems, "

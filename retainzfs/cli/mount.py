@@ -23,38 +23,85 @@ IGNORED = {"rw", "defaults", "auto", "noauto", "user", "nouser", "users", "nofai
 FUSE_PASSTHROUGH = {"allow_other", "allow_root"}
 
 
+def _number(key: str, val: str, kind=float, lo: float | None = None, lo_open: bool = False,
+            hi: float | None = None):
+    """One mount option's numeric value, or ValueError naming the option and what it accepts."""
+    import math
+    what = "an integer" if kind is int else "a number"
+    bound = ""
+    if lo is not None:
+        bound = f" {'>' if lo_open else '>='} {lo:g}"
+    if hi is not None:
+        bound += f"{' and' if bound else ''} <= {hi:g}"
+    try:
+        x = kind(val)
+    except (TypeError, ValueError):
+        raise ValueError(f"mount option {key}={val!r}: expected {what}{bound}") from None
+    if (isinstance(x, float) and not math.isfinite(x)) or (lo is not None and (
+            x < lo or (lo_open and x == lo))) or (hi is not None and x > hi):
+        raise ValueError(f"mount option {key}={val!r}: expected {what}{bound}")
+    return x
+
+
+def _flag(key: str, val: str) -> bool:
+    v = val.lower()
+    if v in ("", "1", "yes", "true", "on"):
+        return True
+    if v in ("0", "no", "false", "off"):
+        return False
+    raise ValueError(f"mount option {key}={val!r}: expected on/off")
+
+
 def parse_options(opts: list[str]) -> tuple[dict, list[str]]:
-    """-o values -> (retainzfs options, extra FUSE options)."""
+    """-o values -> (retainzfs options, extra FUSE options); every value is checked here, in the
+    parent, so a bad option is a one-line error naming it and no daemon is started."""
+    from .._alloc import POLICIES
     ours: dict = {}
     fuse: list[str] = []
     for group in opts:
         for o in filter(None, group.split(",")):
-            key, _, val = o.partition("=")
+            key, eq, val = o.partition("=")
             if key in IGNORED or key.startswith("x-") or key.startswith("comment="):
                 continue
             if key in FUSE_PASSTHROUGH:
                 fuse.append(key)
             elif key == "allocator":
+                if val not in POLICIES:
+                    raise ValueError(f"mount option allocator={val!r}: expected one of "
+                                     f"{', '.join(POLICIES)}")
                 ours["allocator"] = val
             elif key in ("lambda", "lam"):
-                ours["lam"] = float(val)
+                ours["lam"] = _number(key, val, float, 0.0)
             elif key == "hint_grid":
-                ours["hint_grid"] = int(val)
+                ours["hint_grid"] = _number(key, val, int, 0)
             elif key == "gc_reserve":
-                ours["gc_reserve"] = int(val)
+                ours["gc_reserve"] = _number(key, val, int, 0, hi=1 << 20)
             elif key == "common_admission":
-                ours["common_admission"] = val.lower() not in ("0", "no", "false", "off")
+                ours["common_admission"] = _flag(key, val)
             elif key == "log":
+                if not val:
+                    raise ValueError("mount option log=: expected a file path")
                 ours["log"] = val
             elif key == "debug":
-                ours["debug"] = True
+                ours["debug"] = _flag(key, val)
             elif key == "sync_interval":
-                ours["sync_interval"] = float(val)
+                # 0 would busy-loop the periodic flush; more than an hour is surely a typo
+                ours["sync_interval"] = _number(key, val, float, 0.01, hi=3600)
             elif key == "flush_bytes":
                 from .common import parse_size
-                ours["flush_bytes"] = parse_size(val)
+                try:
+                    n = parse_size(val)
+                except ValueError:
+                    raise ValueError(f"mount option flush_bytes={val!r}: expected a size such "
+                                     f"as 4M") from None
+                if not 4096 <= n <= (1 << 30):
+                    raise ValueError(f"mount option flush_bytes={val!r}: expected 4K..1G")
+                ours["flush_bytes"] = n
             else:
                 raise ValueError(f"unknown mount option {o!r}")
+            if key in ("allocator", "lambda", "lam", "hint_grid", "gc_reserve", "sync_interval",
+                       "flush_bytes") and not eq:
+                raise ValueError(f"mount option {key} needs a value ({key}=...)")
     return ours, fuse
 
 
