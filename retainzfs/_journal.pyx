@@ -320,7 +320,7 @@ class Journal:
         if best is None:
             if seen_super:
                 raise JournalError("no complete metadata snapshot found (corrupt journal)")
-            raise JournalError("not a retainzfs filesystem (no superblock); run mkfs.retainzfs")
+            raise JournalError("no retainzfs superblock in the metadata zones")
         return best
 
 

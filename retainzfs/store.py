@@ -404,8 +404,13 @@ class Store:
     def _dev_read(self, zone: int, zoff: int, length: int) -> bytes:
         """Read committed bytes; EIO for a range a zone failure made untrustworthy."""
         bad = self.bad_zones.get(zone)
-        if bad is not None and bad["valid_upto"] is not None and zoff + length > bad["valid_upto"]:
-            raise FsError(errno.EIO, f"zone {zone}: {bad['reason']}")
+        if bad is not None:
+            upto = bad["valid_upto"]
+            if (upto is not None and zoff + length > upto) or bad["reason"] == "offline":
+                if not bad.get("logged"):
+                    bad["logged"] = True
+                    log.error("read from zone %d refused with EIO: %s", zone, bad["reason"])
+                raise FsError(errno.EIO, f"zone {zone}: {bad['reason']}")
         return self.dev.read(zone, zoff, length)
 
     def _get(self, ino: int) -> Inode:

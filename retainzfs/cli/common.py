@@ -56,4 +56,12 @@ def no_superblock_message(dev, target: str, meta_zones: int = 3) -> str:
         if zone.wp and marker in dev.read(z, 0, min(zone.wp, 1 << 16)):
             return (f"{target}: retainzfs metadata is corrupt (no superblock record passes its "
                     f"checksum); not touching it (mkfs.retainzfs --force would erase it)")
-    return f"{target}: not a retainzfs filesystem (run mkfs.retainzfs first)"
+    used = [z for z in range(dev.nr_zones)
+            if dev.zone(z).wp or dev.zone(z).cond.name not in ("EMPTY",)]
+    if used:
+        # Something is on the device: never advise the command that would erase it.
+        meta_used = [z for z in used if z < meta_zones]
+        return (f"{target}: no retainzfs superblock in metadata zones 0-{meta_zones - 1} "
+                f"({'unreadable' if meta_used else 'all empty'}), but {len(used)} of "
+                f"{dev.nr_zones} zones hold data; not touching it")
+    return f"{target}: not a retainzfs filesystem (blank device; run mkfs.retainzfs first)"

@@ -1,0 +1,442 @@
+"""Regression tests for what outside suites and fault campaigns found (issue 8).
+
+Each test reproduces the report the way a user hit it — through a real mount with real programs
+(dd, fio-like patterns, Python file I/O) — then unmounts, remounts and reads back.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import random
+import subprocess
+import time
+
+import pytest
+
+from conftest import MOUNT, RETAINZFS, is_mounted, run
+
+MiB = 1 << 20
+
+
+def sha(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def one_line_error(p: subprocess.CompletedProcess, *needles: str) -> str:
+    assert p.returncode != 0, p
+    err = p.stderr.strip()
+    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout, p.stderr
+    assert len(err.splitlines()) == 1, f"not one line: {p.stderr!r}"
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+def fsck(img) -> subprocess.CompletedProcess:
+    return run(RETAINZFS, "fsck", img, check=False)
+
+
+# ------------------------------------------------------------------ 1. many small writes
+@pytest.mark.parametrize("bs,count", [(100, 1025), (1, 5000), (4095, 1100), (512, 3000)])
+def test_many_small_writes_dd(mounted, bs, count):
+    """`dd bs=100 count=1025` failed at close with EINVAL (> IOV_MAX pieces to one pwritev)
+    and the file was empty after remount."""
+    p = run("dd", "if=/dev/urandom", f"of={mounted / 'x'}", f"bs={bs}", f"count={count}",
+            "status=none", check=False)
+    assert p.returncode == 0, p.stderr
+    want = sha(mounted / "x")
+    assert os.path.getsize(mounted / "x") == bs * count
+    mounted.remount()
+    assert os.path.getsize(mounted / "x") == bs * count
+    assert sha(mounted / "x") == want
+
+
+def test_line_at_a_time_log_and_read_while_writing(mounted):
+    """A training log written one line per write(), read back while still open, fsynced now
+    and then; every acknowledged line survives remount."""
+    path = mounted / "train.log"
+    lines = []
+    with open(path, "w", buffering=1) as f:           # line buffered: one write per line
+        for i in range(6000):
+            line = f"step {i} loss {1.0 / (i + 1):.6f}\n"
+            f.write(line)
+            lines.append(line)
+            if i % 997 == 0:
+                os.fsync(f.fileno())
+                assert open(path).read() == "".join(lines)
+    assert path.read_text() == "".join(lines)
+    mounted.remount()
+    assert path.read_text() == "".join(lines)
+
+
+def test_ftruncate_then_random_4k_writes(mounted):
+    """fio's random-write layout: ftruncate to the full size, then 4 KiB writes at random
+    offsets (many buffers, none contiguous), then verify, remount, verify."""
+    size = 16 * MiB
+    rng = random.Random(7)
+    model = bytearray(size)
+    fd = os.open(mounted / "r", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        for _ in range(3000):
+            off = rng.randrange(size // 4096) * 4096
+            blk = rng.randbytes(4096)
+            assert os.pwrite(fd, blk, off) == 4096
+            model[off:off + 4096] = blk
+        os.fsync(fd)
+        assert os.pread(fd, size, 0) == bytes(model)
+    finally:
+        os.close(fd)
+    mounted.remount()
+    assert (mounted / "r").read_bytes() == bytes(model)
+
+
+def test_mixed_write_pattern_appends_overwrites(mounted):
+    """Any sizes, counts and offsets: appends, overwrites below EOF, holes, tiny and large."""
+    rng = random.Random(11)
+    model = bytearray()
+    fd = os.open(mounted / "m", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        for i in range(2500):
+            kind = rng.random()
+            n = rng.choice([1, 7, 100, 511, 4096, 4097, 65535, 65536, 65537, 300_000])
+            if kind < 0.6 or not model:
+                off = len(model)
+            elif kind < 0.9:
+                off = rng.randrange(len(model))
+            else:
+                off = len(model) + rng.randrange(10_000)
+            data = rng.randbytes(n)
+            os.pwrite(fd, data, off)
+            if off > len(model):
+                model.extend(bytes(off - len(model)))
+            model[off:off + n] = data
+            if i % 500 == 499:
+                os.fsync(fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert (mounted / "m").read_bytes() == bytes(model)
+    mounted.remount()
+    assert (mounted / "m").read_bytes() == bytes(model)
+
+
+# ------------------------------------------------------------------ 2. journal padding
+def test_journal_flush_of_every_padding_length(mounted):
+    """A flush leaving 1..8 bytes of block padding was read back as a corrupt record: replay
+    stopped, later records were dropped, the loss made permanent — after a clean unmount."""
+    f = mounted / "f"
+    f.write_bytes(b"")
+    for v in range(3900, 4101):
+        os.setxattr(f, "user.pad", b"a" * v)
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    s = mounted / "sentinel"
+    with open(s, "wb") as fh:
+        fh.write(b"sentinel")
+        os.fsync(fh.fileno())
+    mounted.umount()
+    p = fsck(mounted.img)
+    assert p.returncode == 0, p.stdout + p.stderr
+    mounted.mount()
+    assert s.read_bytes() == b"sentinel"
+    assert len(os.getxattr(f, "user.pad")) == 4100
+    assert mounted.status()["journal_truncated"] is False
+
+
+# ------------------------------------------------------------------ 3. ENAMETOOLONG
+def test_long_names_give_enametoolong_everywhere(mounted):
+    long = "x" * 256
+    (mounted / "d").mkdir()
+    (mounted / "f").write_bytes(b"1")
+    calls = [
+        lambda: os.stat(mounted / long),
+        lambda: os.chmod(mounted / long, 0o600),
+        lambda: os.chown(mounted / long, 0, 0),
+        lambda: os.truncate(mounted / long, 0),
+        lambda: os.unlink(mounted / long),
+        lambda: os.rmdir(mounted / long),
+        lambda: os.link(mounted / "f", mounted / long),
+        lambda: os.rename(mounted / "f", mounted / long),
+        lambda: os.rename(mounted / long, mounted / "g"),
+        lambda: open(mounted / long, "w"),
+        lambda: os.mkdir(mounted / "d" / long),
+        lambda: os.symlink("f", mounted / long),
+    ]
+    for i, call in enumerate(calls):
+        with pytest.raises(OSError) as ei:
+            call()
+        assert ei.value.errno == errno.ENAMETOOLONG, (i, ei.value)
+    ok = "y" * 255                                        # the limit itself works
+    (mounted / ok).write_bytes(b"ok")
+    assert (mounted / ok).read_bytes() == b"ok"
+
+
+# ------------------------------------------------------------------ 4. offline zone
+def _zones_of(path) -> list[int]:
+    v = os.getxattr(path, "user.retainz.zones").decode()
+    return [int(z) for z in v.split(",") if z]
+
+
+def _set_zone(img, zone: int, *, cond: int | None = None, wp: int | None = None) -> None:
+    """Edit one entry of the emulated device's persisted zone table (as damage would)."""
+    from retainzfs.device import _ENTRY, _HEADER_BLOCK
+    with open(img, "r+b") as f:
+        f.seek(_HEADER_BLOCK + zone * _ENTRY.size)
+        old_wp, old_cond = _ENTRY.unpack(f.read(_ENTRY.size))
+        f.seek(_HEADER_BLOCK + zone * _ENTRY.size)
+        f.write(_ENTRY.pack(old_wp if wp is None else wp, old_cond if cond is None else cond))
+
+
+@pytest.mark.parametrize("cond", [0xF, 0xD])          # OFFLINE, READONLY
+def test_failed_zone_costs_only_its_files(mounted, cond):
+    d = mounted / "run"
+    d.mkdir()
+    (d / ".retainz").write_text("keep_latest = 3\ncadence = 1\n")
+    other = {}
+    for i in range(6):
+        data = random.Random(i).randbytes(3 * MiB)
+        p = mounted / f"other{i}"
+        with open(p, "wb") as f:
+            f.write(data)
+            os.fsync(f.fileno())
+        other[p.name] = hashlib.sha256(data).hexdigest()
+    pol_zone = _zones_of(d / ".retainz")[0]
+    victims = {p for p in other if pol_zone in _zones_of(mounted / p)}
+    mounted.umount()
+    _set_zone(mounted.img, pol_zone, cond=cond, wp=0 if cond == 0xF else None)
+    mounted.mount()                                      # mounts: no traceback, no refusal
+    st = mounted.status()
+    assert str(pol_zone) in st["bad_zones"], st["bad_zones"]
+    assert "/run/.retainz" in st["bad_zones"][str(pol_zone)]["files"]
+    for name, digest in other.items():
+        if name in victims and cond == 0xF:
+            with pytest.raises(OSError) as ei:
+                (mounted / name).read_bytes()
+            assert ei.value.errno == errno.EIO
+        else:
+            assert sha(mounted / name) == digest
+    if cond == 0xF:                                     # unreadable policy: reported, and
+        assert "/run" in st["policy_errors"], st          # the last valid one stays in force
+    (d / "step-7").mkdir()
+    (d / "step-7" / "x").write_bytes(b"x")
+    assert json.loads(os.getxattr(d / "step-7" / "x", "user.retainz.hint"))["reclaim"] == 10
+    # everything else works: new files, remount
+    (mounted / "new").write_bytes(b"n" * MiB)
+    mounted.remount()
+    assert (mounted / "new").read_bytes() == b"n" * MiB
+    assert str(pol_zone) in mounted.status()["bad_zones"]
+    mounted.umount()
+    p = fsck(mounted.img)                                # honest: the damage is reported
+    assert p.returncode != 0 and f"zone {pol_zone}" in p.stdout, p.stdout
+    mounted.mount()
+    for name in victims:                                 # deleting the lost files works
+        os.unlink(mounted / name)
+
+
+# ------------------------------------------------------------------ 5. advice
+def test_no_mkfs_advice_when_device_holds_data(make_image, mount_image, tmp_path):
+    img = make_image(size="256M")
+    m = mount_image(img)
+    with open(m / "ckpt", "wb") as f:
+        f.write(os.urandom(8 * MiB))
+        os.fsync(f.fileno())
+    m.umount()
+    for z in range(3):                                   # every metadata zone reads EMPTY
+        _set_zone(img, z, cond=0x1, wp=0)
+    mnt = tmp_path / "x"
+    mnt.mkdir()
+    for argv in ([MOUNT, img, mnt], [RETAINZFS, "fsck", img], [RETAINZFS, "status", img]):
+        err = one_line_error(run(*argv, check=False), "hold data")
+        assert "run mkfs" not in err and "mkfs.retainzfs" not in err, err
+    assert not is_mounted(mnt)
+
+
+# ------------------------------------------------------------------ 6. write pointer behind data
+def test_write_pointer_behind_live_data(mounted):
+    data = os.urandom(3 * MiB)
+    with open(mounted / "a", "wb") as f:
+        f.write(data)
+        os.fsync(f.fileno())
+    keep = os.urandom(2 * MiB)
+    with open(mounted / "b", "wb") as f:
+        f.write(keep)
+        os.fsync(f.fileno())
+    za = _zones_of(mounted / "a")
+    zb = _zones_of(mounted / "b")
+    shared = set(za) & set(zb)
+    mounted.umount()
+    _set_zone(mounted.img, za[0], wp=4096, cond=0x4)     # CLOSED, wp moved back under data
+    mounted.mount()
+    st = mounted.status()
+    assert str(za[0]) in st["bad_zones"]
+    with pytest.raises(OSError) as ei:                   # never the device's stale bytes
+        (mounted / "a").read_bytes()
+    assert ei.value.errno == errno.EIO
+    if not shared:
+        assert (mounted / "b").read_bytes() == keep
+    # new writes never land in that zone and work
+    for i in range(5):
+        (mounted / f"n{i}").write_bytes(os.urandom(MiB))
+        assert za[0] not in _zones_of(mounted / f"n{i}")
+    log = mounted.daemon_log()
+    assert "could not commit" not in log and "Traceback" not in log
+    os.unlink(mounted / "a")                             # freeing it makes the zone usable again
+    if shared:
+        os.unlink(mounted / "b")
+    mounted.remount()
+    assert str(za[0]) not in mounted.status()["bad_zones"]
+
+
+# ------------------------------------------------------------------ 7. mount options
+@pytest.mark.parametrize("opt,needle", [
+    ("sync_interval=-1", "sync_interval"), ("sync_interval=nan", "sync_interval"),
+    ("sync_interval=0", "sync_interval"), ("sync_interval=inf", "sync_interval"),
+    ("lambda=abc", "lambda"), ("lambda=-1", "lambda"), ("hint_grid=x", "hint_grid"),
+    ("gc_reserve=-2", "gc_reserve"), ("allocator=nope", "allocator"),
+    ("flush_bytes=0", "flush_bytes"), ("common_admission=maybe", "common_admission"),
+    ("bogus=1", "bogus"),
+])
+def test_bad_mount_options_one_line_before_fork(image, tmp_path, opt, needle):
+    mnt = tmp_path / "m"
+    mnt.mkdir()
+    t = time.monotonic()
+    err = one_line_error(run(MOUNT, image, mnt, "-o", opt, check=False), needle)
+    assert "could not convert" not in err
+    assert time.monotonic() - t < 10
+    assert not is_mounted(mnt)
+
+
+# ------------------------------------------------------------------ 8. .retainz
+def _hint(path) -> dict:
+    return json.loads(os.getxattr(path, "user.retainz.hint"))
+
+
+def test_policy_stays_in_force_across_remount(mounted):
+    d = mounted / "ck"
+    d.mkdir()
+    (d / ".retainz").write_text("keep_latest = 2\ncadence = 10\n")
+    with pytest.raises(OSError) as ei:                   # a malformed rewrite is refused
+        with open(d / ".retainz", "w") as f:
+            f.write("keep_latest = [\n")
+    assert ei.value.errno == errno.EINVAL
+    (d / "step-10").mkdir()
+    (d / "step-10" / "x").write_bytes(b"x" * 4096)
+    assert _hint(d / "step-10" / "x")["reclaim"] == 30
+    mounted.remount()                                    # still in force after remount
+    (d / "step-20").mkdir()
+    (d / "step-20" / "x").write_bytes(b"x" * 4096)
+    assert _hint(d / "step-20" / "x")["reclaim"] == 40
+    assert "/ck" in mounted.status()["policy_errors"]
+    (d / ".retainz").write_text("keep_latest = 3\ncadence = 10\n")   # fixed: new policy
+    (d / "step-30").mkdir()
+    (d / "step-30" / "x").write_bytes(b"x")
+    assert _hint(d / "step-30" / "x")["reclaim"] == 60
+    assert "/ck" not in mounted.status()["policy_errors"]
+
+
+def test_rename_malformed_over_policy_refused(mounted):
+    d = mounted / "ck"
+    d.mkdir()
+    (d / ".retainz").write_text("keep_latest = 2\ncadence = 10\n")
+    (d / "bad.toml").write_text("keep_latest = 'x'\n")
+    with pytest.raises(OSError) as ei:
+        os.rename(d / "bad.toml", d / ".retainz")
+    assert ei.value.errno == errno.EINVAL
+    assert (d / ".retainz").read_text() == "keep_latest = 2\ncadence = 10\n"
+    assert (d / "bad.toml").exists()
+    (d / "good.toml").write_text("keep_latest = 4\ncadence = 10\n")
+    os.rename(d / "good.toml", d / ".retainz")          # a valid one is accepted
+    (d / "step-10").mkdir()
+    (d / "step-10" / "x").write_bytes(b"x")
+    assert _hint(d / "step-10" / "x")["reclaim"] == 50
+
+
+def test_oversized_policy_is_an_error(mounted):
+    d = mounted / "ck"
+    d.mkdir()
+    with pytest.raises(OSError) as ei:
+        with open(d / ".retainz", "w") as f:
+            f.write("keep_latest = 2\n" + "#" * (1 << 20) + "\n")
+    assert ei.value.errno == errno.EINVAL
+    assert "1048576" in mounted.status()["policy_errors"]["/ck"]
+
+
+def test_slow_generation_regex_does_not_stall_the_mount(mounted):
+    d = mounted / "ck"
+    d.mkdir()
+    bad = "generation = '(a|aa)+$'\nkeep_latest = 2\n"
+    with pytest.raises(OSError) as ei:                   # visibly slow: refused at close
+        with open(d / ".retainz", "w") as f:
+            f.write(bad)
+    assert ei.value.errno == errno.EINVAL
+    # a pattern slow only on some names is bounded at match time
+    (d / ".retainz").write_text("generation = '^s(\\d+)|(x+x+)+y'\nkeep_latest = 2\n")
+    t = time.monotonic()
+    for i in range(20):
+        (d / ("x" * 40 + str(i))).write_bytes(b"z")
+    (d / "s5").mkdir()
+    (d / "s5" / "f").write_bytes(b"z")
+    _hint(d / "s5" / "f")
+    assert time.monotonic() - t < 5
+    os.stat(mounted.path)                                # the loop still answers
+
+
+def test_negative_reclaim_refused(mounted):
+    f = mounted / "f"
+    f.write_bytes(b"")
+    for name in ("user.retainz.reclaim", "user.retainz.birth", "user.retainz.stream"):
+        with pytest.raises(OSError) as ei:
+            os.setxattr(f, name, b"-5")
+        assert ei.value.errno == errno.EINVAL, name
+
+
+def test_capacity_stop_clears_after_space_freed(make_image, mount_image):
+    img = make_image(size="64M")
+    m = mount_image(img)
+    n = 0
+    with pytest.raises(OSError) as ei:
+        while n < 100:
+            with open(m / f"f{n}", "wb") as f:
+                f.write(os.urandom(4 * MiB))
+                os.fsync(f.fileno())
+            n += 1
+    assert ei.value.errno == errno.ENOSPC
+    assert m.status()["capacity_stop"] is True
+    for i in range(n):
+        os.unlink(m / f"f{i}")
+    os.unlink(m / f"f{n}") if (m / f"f{n}").exists() else None
+    with open(m / "again", "wb") as f:
+        f.write(os.urandom(4 * MiB))
+        os.fsync(f.fileno())
+    assert m.status()["capacity_stop"] is False
+
+
+# ------------------------------------------------------------------ 9. fsck honesty
+def test_fsck_fails_when_replay_would_stop_early(mounted):
+    from retainzfs import _journal as J
+    from retainzfs.device import open_device
+    for i in range(5):
+        (mounted / f"d{i}").mkdir()
+        os.sync()
+    os.setxattr(mounted.path, "user.after", b"1")
+    mounted.umount()
+    dev = open_device(str(mounted.img))
+    try:
+        info = J.Journal.find_latest(dev, 3)
+        _, payload, off = info["records"][1]            # a record with more after it
+        pos = dev._data_off + info["zone"] * dev.zone_size + off + 10
+    finally:
+        dev.close()
+    with open(mounted.img, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0xFF]))
+    p = fsck(mounted.img)
+    assert p.returncode != 0, p.stdout
+    assert "journal" in p.stdout
