@@ -75,8 +75,14 @@ class WriteBuffer:
         return len(self.chunks) + (1 if self._tail else 0)
 
     def _seal(self) -> None:
+        """Make the tail an immutable part; a small last part absorbs it (copying < 2*SMALL
+        bytes), so a file fsynced after every line does not grow a part per fsync."""
         if self._tail:
-            self.chunks.append(bytes(self._tail))
+            last = self.chunks[-1] if self.chunks else None
+            if last is not None and len(last) < SMALL:
+                self.chunks[-1] = bytes(last) + self._tail
+            else:
+                self.chunks.append(bytes(self._tail))
             self._tail = bytearray()
 
     def append(self, off: int, data) -> bool:

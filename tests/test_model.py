@@ -1,0 +1,269 @@
+"""Stateful model tests: create/write/truncate/rename/unlink/xattr/fsync with remounts (issue 8).
+
+Hypothesis drives random sequences of file operations against an in-memory model, twice: through
+the ``Store`` directly (many examples, fast: remount = close + reopen of the device, crash =
+drop the store without closing after everything was fsynced) and through a real FUSE mount
+(fewer examples: remount = ``umount`` + ``mount.retainzfs``). After every step the visible
+state must equal the model.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import stat
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (Bundle, RuleBasedStateMachine, initialize, invariant,
+                                 precondition, rule, run_state_machine_as_test)
+
+from retainzfs.device import create_image, open_device
+from retainzfs.store import FsError, ROOT_INO, Store
+
+MiB = 1 << 20
+NAMES = st.sampled_from(["a", "b", "c", "d", "step-1", "step-2", "x" * 255])
+SIZES = st.one_of(st.sampled_from([0, 1, 100, 4095, 4096, 4097, 65535, 65536, 65537,
+                                   1 << 20, (4 << 20) + 3]),
+                  st.integers(0, 300_000))
+OFFS = st.one_of(st.sampled_from([0, 1, 4095, 4096, 65536, 1 << 20]), st.integers(0, 2 << 20))
+
+
+def _data(seed: int, n: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+class _Base(RuleBasedStateMachine):
+    """The model: files in one directory: name -> bytearray, and name -> {xattr: value}."""
+
+    def __init__(self):
+        super().__init__()
+        self.files: dict[str, bytearray] = {}
+        self.xattrs: dict[str, dict[str, bytes]] = {}
+        self.seed = 0
+
+    # --- backend hooks -------------------------------------------------------------------
+    def b_write(self, name, off, data, fsync): raise NotImplementedError
+    def b_truncate(self, name, size): raise NotImplementedError
+    def b_rename(self, a, b): raise NotImplementedError
+    def b_unlink(self, name): raise NotImplementedError
+    def b_setxattr(self, name, key, value): raise NotImplementedError
+    def b_read(self, name) -> bytes: raise NotImplementedError
+    def b_list(self) -> set[str]: raise NotImplementedError
+    def b_xattrs(self, name) -> dict[str, bytes]: raise NotImplementedError
+    def b_remount(self): raise NotImplementedError
+
+    # --- rules ---------------------------------------------------------------------------
+    @rule(name=NAMES, off=OFFS, n=SIZES, fsync=st.booleans(), many=st.integers(1, 40))
+    def write(self, name, off, n, fsync, many):
+        """One write, or ``many`` small consecutive writes (a log written a line at a time)."""
+        self.seed += 1
+        cur = self.files.setdefault(name, bytearray())
+        self.xattrs.setdefault(name, {})
+        if many > 1:
+            n = max(1, n % 300)
+        pieces = []
+        pos = off
+        for i in range(many):
+            d = _data(self.seed * 1000 + i, n)
+            pieces.append((pos, d))
+            pos += n
+        self.b_write(name, pieces, fsync)
+        for p, d in pieces:
+            if p > len(cur):
+                cur.extend(bytes(p - len(cur)))
+            cur[p:p + len(d)] = d
+
+    @precondition(lambda self: self.files)
+    @rule(data=st.data(), size=OFFS)
+    def truncate(self, data, size):
+        name = data.draw(st.sampled_from(sorted(self.files)))
+        self.b_truncate(name, size)
+        cur = self.files[name]
+        if size < len(cur):
+            del cur[size:]
+        else:
+            cur.extend(bytes(size - len(cur)))
+
+    @precondition(lambda self: self.files)
+    @rule(data=st.data(), new=NAMES)
+    def rename(self, data, new):
+        old = data.draw(st.sampled_from(sorted(self.files)))
+        self.b_rename(old, new)
+        if old != new:
+            self.files[new] = self.files.pop(old)
+            self.xattrs[new] = self.xattrs.pop(old)
+
+    @precondition(lambda self: self.files)
+    @rule(data=st.data())
+    def unlink(self, data):
+        name = data.draw(st.sampled_from(sorted(self.files)))
+        self.b_unlink(name)
+        del self.files[name]
+        del self.xattrs[name]
+
+    @precondition(lambda self: self.files)
+    @rule(data=st.data(), key=st.sampled_from(["user.a", "user.b"]),
+          n=st.sampled_from([0, 1, 100, 4000, 4090, 4096, 5000]))
+    def setxattr(self, data, key, n):
+        name = data.draw(st.sampled_from(sorted(self.files)))
+        self.seed += 1
+        v = _data(self.seed, n)
+        self.b_setxattr(name, key, v)
+        self.xattrs[name][key] = v
+
+    @rule()
+    def remount(self):
+        self.b_remount()
+
+    @invariant()
+    def matches_model(self):
+        assert self.b_list() == set(self.files)
+        for name, want in self.files.items():
+            got = self.b_read(name)
+            assert len(got) == len(want), name
+            assert got == bytes(want), name
+            assert self.b_xattrs(name) == self.xattrs[name], name
+
+
+# ------------------------------------------------------------------ through the Store
+class StoreMachine(_Base):
+    path: str = ""
+
+    @initialize()
+    def start(self):
+        self.dev = create_image(self.path, 128 * MiB, 4 * MiB, max_open=6, max_active=8,
+                                force=True)
+        Store.format(self.dev)
+        self.store = Store(self.dev)
+
+    def teardown(self):
+        if getattr(self, "store", None) is not None:
+            self.store.close()
+            self.dev.close()
+
+    def _ino(self, name):
+        return self.store.lookup(ROOT_INO, name.encode()).ino
+
+    def b_write(self, name, pieces, fsync):
+        try:
+            ino = self._ino(name)
+        except FsError:
+            ino = self.store.create(ROOT_INO, name.encode(), 0o644).ino
+        self.store.open(ino)
+        for off, d in pieces:
+            if self.store.buffer_write(ino, off, d) is None:
+                self.store.write(ino, off, d)
+        self.store.commit(ino, durable=fsync)
+        self.store.release(ino)
+
+    def b_truncate(self, name, size):
+        self.store.setattr(self._ino(name), size=size)
+
+    def b_rename(self, a, b):
+        self.store.rename(ROOT_INO, a.encode(), ROOT_INO, b.encode())
+
+    def b_unlink(self, name):
+        self.store.unlink(ROOT_INO, name.encode())
+
+    def b_setxattr(self, name, key, value):
+        self.store.setxattr(self._ino(name), key.encode(), value)
+
+    def b_read(self, name):
+        ino = self._ino(name)
+        return self.store.read(ino, 0, self.store.getattr(ino).size + 10)
+
+    def b_list(self):
+        return {n.decode() for n, _, _ in self.store.readdir(ROOT_INO, 0)} - {".", ".."}
+
+    def b_xattrs(self, name):
+        ino = self._ino(name)
+        return {k.decode(): self.store.getxattr(ino, k) for k in self.store.listxattr(ino)}
+
+    def b_remount(self):
+        self.store.close()
+        self.dev.close()
+        self.dev = open_device(self.path)
+        self.store = Store(self.dev)
+        assert self.store.check() == []
+
+    @rule()
+    def crash_after_sync(self):
+        """Everything was committed (every write rule ends with close) and synced; the daemon
+        dies without unmounting: the journal alone must give back the same state."""
+        self.store.sync()
+        self.store._flusher.shutdown(wait=True)
+        self.dev.close()
+        self.dev = open_device(self.path)
+        self.store = Store(self.dev)
+        assert self.store.check() == []
+
+
+def test_store_model(tmp_path):
+    StoreMachine.path = str(tmp_path / "model.zns")
+    run_state_machine_as_test(StoreMachine, settings=settings(
+        max_examples=40, stateful_step_count=25, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+
+
+# ------------------------------------------------------------------ through the mount
+class MountMachine(_Base):
+    mount = None
+    counter = 0
+
+    @initialize()
+    def start(self):
+        MountMachine.counter += 1
+        self.dir = self.mount / f"run{MountMachine.counter}"
+        os.mkdir(self.dir)
+
+    def p(self, name):
+        return self.dir / name
+
+    def b_write(self, name, pieces, fsync):
+        fd = os.open(self.p(name), os.O_CREAT | os.O_WRONLY, 0o644)
+        try:
+            for off, d in pieces:
+                assert os.pwrite(fd, d, off) == len(d)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def b_truncate(self, name, size):
+        os.truncate(self.p(name), size)
+
+    def b_rename(self, a, b):
+        os.rename(self.p(a), self.p(b))
+
+    def b_unlink(self, name):
+        os.unlink(self.p(name))
+
+    def b_setxattr(self, name, key, value):
+        os.setxattr(self.p(name), key, value)
+
+    def b_read(self, name):
+        with open(self.p(name), "rb") as f:
+            return f.read()
+
+    def b_list(self):
+        return set(os.listdir(self.dir))
+
+    def b_xattrs(self, name):
+        return {k: os.getxattr(self.p(name), k) for k in os.listxattr(self.p(name))}
+
+    def b_remount(self):
+        self.mount.remount()
+
+
+def test_mount_model(mounted):
+    MountMachine.mount = mounted
+    run_state_machine_as_test(MountMachine, settings=settings(
+        max_examples=8, stateful_step_count=20, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    mounted.umount()
+    from conftest import RETAINZFS, run
+    p = run(RETAINZFS, "fsck", mounted.img, check=False)
+    assert p.returncode == 0, p.stdout
