@@ -51,6 +51,7 @@ ENV_PREFIXES = ("RETAINZ", "PYTHON", "PYTEST", "PYENV", "LC_", "COV_")
 
 EXIT_TIMEOUT = 124
 EXIT_NO_STATUS = 125
+EXIT_BOOT_FAILED = -1          # internal: the guest never started the command (retried)
 EXIT_PREREQ = 127
 
 
@@ -169,14 +170,14 @@ find_dev() {{  # $1 = want zoned (1) or regular (0)
     done
     return 1
 }}
-for i in $(seq 1 300); do
+for i in $(seq 1 1200); do      # up to 120 s: NVMe probing crawls on a loaded TCG host
     RETAINZ_ZNS_DEV=$(find_dev 1) && break
     sleep 0.1
 done
 if [ -z "$RETAINZ_ZNS_DEV" ]; then
     echo "qemu_zns: no zoned NVMe namespace appeared in the guest" >&2
     ls -l /sys/block >&2
-    echo 125 > "$RUNDIR/rc"; exit 125
+    touch "$RUNDIR/nodev"; echo 125 > "$RUNDIR/rc"; exit 125
 fi
 export RETAINZ_ZNS_DEV
 q=/sys/block/${{RETAINZ_ZNS_DEV#/dev/}}/queue
@@ -189,6 +190,7 @@ if [ -n "{want_conv}" ]; then
 fi
 log "RETAINZ_ZNS_DEV=$RETAINZ_ZNS_DEV (kernel $(uname -r)): $(cat $q/zoned), $(cat $q/nr_zones) zones of $(( $(cat $q/chunk_sectors) / 2 ))K, max_open $(cat $q/max_open_zones), max_active $(cat $q/max_active_zones), lbs $(cat $q/logical_block_size), scheduler $(cat $q/scheduler)${{RETAINZ_CONV_DEV:+; conventional $RETAINZ_CONV_DEV}}"
 cd {cwd} || {{ echo 125 > "$RUNDIR/rc"; exit 125; }}
+touch "$RUNDIR/started"
 bash -c {command} </dev/null
 rc=$?
 echo "$rc" > "$RUNDIR/rc"
@@ -222,7 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem", default="2G")
     p.add_argument("--cpus", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds for the whole run, boot included")
+                   help="seconds for the whole run, boot(s) included")
+    p.add_argument("--boot-attempts", type=int, default=3,
+                   help="boots to try when the guest fails before the command starts")
     p.add_argument("--kernel", default=None, help="default: newest /boot/vmlinuz-*")
     p.add_argument("--ro-cwd", action="store_true",
                    help="don't share the cwd read-write with the guest")
@@ -271,126 +275,147 @@ def main(argv: list[str] | None = None) -> int:
         if not args.quiet:
             print(f"qemu_zns: {msg}", file=sys.stderr, flush=True)
 
-    rundir = tempfile.mkdtemp(prefix="qemu_zns.")
-    proc = None
-    try:
-        image = args.image or os.path.join(rundir, "zns.img")
-        if not os.path.exists(image) or os.path.getsize(image) < args.size:
-            with open(image, "ab") as f:
-                f.truncate(args.size)
-        qemu_opts = [
-            "-cpu", "max",
-            "-device", f"nvme,id=nvme0,serial={SERIAL}",
-            "-drive", f"file={image},id=zns,format=raw,if=none",
-            "-device", ",".join([
-                "nvme-ns", "drive=zns", "bus=nvme0", "nsid=1",
-                f"logical_block_size={args.block_size}",
-                f"physical_block_size={args.block_size}",
-                "zoned=true",
-                f"zoned.zone_size={fmt_size(args.zone_size)}",
-                f"zoned.zone_capacity={fmt_size(zcap)}",
-                f"zoned.max_open={args.max_open}",
-                f"zoned.max_active={args.max_active}",
-            ]),
-        ]
-        if args.conv_size:
-            conv = os.path.join(rundir, "conv.img")
-            with open(conv, "wb") as f:
-                f.truncate(args.conv_size)
-            qemu_opts += [
-                "-drive", f"file={conv},id=conv,format=raw,if=none",
-                "-device", f"nvme-ns,drive=conv,bus=nvme0,nsid=2,"
-                f"logical_block_size={args.block_size},"
-                f"physical_block_size={args.block_size}",
+    def boot_once(timeout: float) -> int:
+        """One guest boot; EXIT_BOOT_FAILED when the command never started."""
+        rundir = tempfile.mkdtemp(prefix="qemu_zns.")
+        proc = None
+        try:
+            image = args.image or os.path.join(rundir, "zns.img")
+            if not os.path.exists(image) or os.path.getsize(image) < args.size:
+                with open(image, "ab") as f:
+                    f.truncate(args.size)
+            qemu_opts = [
+                "-cpu", "max",
+                "-device", f"nvme,id=nvme0,serial={SERIAL}",
+                "-drive", f"file={image},id=zns,format=raw,if=none",
+                "-device", ",".join([
+                    "nvme-ns", "drive=zns", "bus=nvme0", "nsid=1",
+                    f"logical_block_size={args.block_size}",
+                    f"physical_block_size={args.block_size}",
+                    "zoned=true",
+                    f"zoned.zone_size={fmt_size(args.zone_size)}",
+                    f"zoned.zone_capacity={fmt_size(zcap)}",
+                    f"zoned.max_open={args.max_open}",
+                    f"zoned.max_active={args.max_active}",
+                ]),
             ]
-        cache_dirs = [] if args.no_cache else cached_dirs(os.getcwd())
-        for i, d in enumerate(cache_dirs):
-            qemu_opts += ["-virtfs", f"local,path={d},mount_tag=qzcache{i},"
-                          "security_model=none,readonly=on"]
-        cache_mounts = "\n".join(
-            f"mount -t 9p -o ro,trans=virtio,version=9p2000.L,cache=loose,msize=524288 "
-            f"qzcache{i} {shlex.quote(d)} || log 'cache=loose mount of {d} failed'"
-            for i, d in enumerate(cache_dirs))
-        env = guest_env(args.env)
-        if args.quiet:
-            env["QZ_QUIET"] = "1"
-        cwd = os.getcwd()
-        script = os.path.join(rundir, "guest.sh")
-        with open(script, "w") as f:
-            f.write(GUEST_SCRIPT.format(
-                exports="\n".join(f"export {k}={shlex.quote(v)}"
-                                  for k, v in sorted(env.items())),
-                cache_mounts=cache_mounts, rundir=shlex.quote(rundir), serial=shlex.quote(SERIAL),
-                want_conv="1" if args.conv_size else "",
-                cwd=shlex.quote(cwd), command=shlex.quote(command)))
-        os.chmod(script, 0o755)
+            if args.conv_size:
+                conv = os.path.join(rundir, "conv.img")
+                with open(conv, "wb") as f:
+                    f.truncate(args.conv_size)
+                qemu_opts += [
+                    "-drive", f"file={conv},id=conv,format=raw,if=none",
+                    "-device", f"nvme-ns,drive=conv,bus=nvme0,nsid=2,"
+                    f"logical_block_size={args.block_size},"
+                    f"physical_block_size={args.block_size}",
+                ]
+            cache_dirs = [] if args.no_cache else cached_dirs(os.getcwd())
+            for i, d in enumerate(cache_dirs):
+                qemu_opts += ["-virtfs", f"local,path={d},mount_tag=qzcache{i},"
+                              "security_model=none,readonly=on"]
+            cache_mounts = "\n".join(
+                f"mount -t 9p -o ro,trans=virtio,version=9p2000.L,cache=loose,msize=524288 "
+                f"qzcache{i} {shlex.quote(d)} || log 'cache=loose mount of {d} failed'"
+                for i, d in enumerate(cache_dirs))
+            env = guest_env(args.env)
+            if args.quiet:
+                env["QZ_QUIET"] = "1"
+            cwd = os.getcwd()
+            script = os.path.join(rundir, "guest.sh")
+            with open(script, "w") as f:
+                f.write(GUEST_SCRIPT.format(
+                    exports="\n".join(f"export {k}={shlex.quote(v)}"
+                                      for k, v in sorted(env.items())),
+                    cache_mounts=cache_mounts, rundir=shlex.quote(rundir), serial=shlex.quote(SERIAL),
+                    want_conv="1" if args.conv_size else "",
+                    cwd=shlex.quote(cwd), command=shlex.quote(command)))
+            os.chmod(script, 0o755)
 
-        vng_cmd = [vng, "--run", kernel, "--disable-kvm", "--force-9p",
-                   "--memory", args.mem, "--cpus", str(args.cpus),
-                   "--rwdir", rundir]
-        if not args.ro_cwd and cwd != "/":
-            vng_cmd += ["--rwdir", cwd]
-        for d in args.rwdir:
-            vng_cmd += ["--rwdir", os.path.abspath(d)]
-        if args.show_boot:
-            vng_cmd += ["--verbose"]
-        vng_cmd += ["--qemu-opts=" + " ".join(qemu_opts), "--", f"bash {shlex.quote(script)}"]
-        if args.dry_run:
-            print(shlex.join(vng_cmd))
-            return 0
+            vng_cmd = [vng, "--run", kernel, "--disable-kvm", "--force-9p",
+                       "--memory", args.mem, "--cpus", str(args.cpus),
+                       "--rwdir", rundir]
+            if not args.ro_cwd and cwd != "/":
+                vng_cmd += ["--rwdir", cwd]
+            for d in args.rwdir:
+                vng_cmd += ["--rwdir", os.path.abspath(d)]
+            if args.show_boot:
+                vng_cmd += ["--verbose"]
+            vng_cmd += ["--qemu-opts=" + " ".join(qemu_opts), "--", f"bash {shlex.quote(script)}"]
+            if args.dry_run:
+                print(shlex.join(vng_cmd))
+                return 0
 
-        say(f"booting {os.path.basename(kernel)} (TCG) with ZNS namespace "
-            f"{fmt_size(args.size)}, zone {fmt_size(args.zone_size)} cap {fmt_size(zcap)}, "
-            f"max_open {args.max_open}, max_active {args.max_active}")
-        t0 = time.monotonic()
-        # Pipes, not the caller's fds: QEMU reopens /proc/self/fd/{1,2} for the
-        # guest's stdout and stderr, and two opens of one regular file would
-        # overwrite each other's output.
-        proc = subprocess.Popen(vng_cmd, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                cwd=cwd, start_new_session=True)
+            say(f"booting {os.path.basename(kernel)} (TCG) with ZNS namespace "
+                f"{fmt_size(args.size)}, zone {fmt_size(args.zone_size)} cap {fmt_size(zcap)}, "
+                f"max_open {args.max_open}, max_active {args.max_active}")
+            t0 = time.monotonic()
+            # Pipes, not the caller's fds: QEMU reopens /proc/self/fd/{1,2} for the
+            # guest's stdout and stderr, and two opens of one regular file would
+            # overwrite each other's output.
+            proc = subprocess.Popen(vng_cmd, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    cwd=cwd, start_new_session=True)
 
-        def pump(src, dst):
-            out = dst.buffer if hasattr(dst, "buffer") else dst
-            while True:
-                chunk = os.read(src.fileno(), 65536)
-                if not chunk:
-                    break
-                out.write(chunk)
-                out.flush()
+            def pump(src, dst):
+                out = dst.buffer if hasattr(dst, "buffer") else dst
+                while True:
+                    chunk = os.read(src.fileno(), 65536)
+                    if not chunk:
+                        break
+                    out.write(chunk)
+                    out.flush()
 
-        pumps = [threading.Thread(target=pump, args=(proc.stdout, sys.stdout), daemon=True),
-                 threading.Thread(target=pump, args=(proc.stderr, sys.stderr), daemon=True)]
-        for t in pumps:
-            t.start()
-        timed_out = False
-        try:
-            proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            say(f"timeout after {args.timeout:.0f}s; killing the guest")
-            kill_group(proc)
-        for t in pumps:
-            t.join(timeout=5)
-        if timed_out:
-            return EXIT_TIMEOUT
-        elapsed = time.monotonic() - t0
-        rc_path = os.path.join(rundir, "rc")
-        try:
-            with open(rc_path) as f:
-                rc = int(f.read().strip())
-        except (OSError, ValueError):
-            say(f"the guest reported no exit status (vng exited {proc.returncode}); "
-                "boot failure or kernel panic? rerun with --show-boot")
-            return EXIT_NO_STATUS
-        say(f"command exited {rc} ({elapsed:.1f}s including boot)")
-        return rc
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        if proc is not None and proc.poll() is None:
-            kill_group(proc)
-        shutil.rmtree(rundir, ignore_errors=True)
+            pumps = [threading.Thread(target=pump, args=(proc.stdout, sys.stdout), daemon=True),
+                     threading.Thread(target=pump, args=(proc.stderr, sys.stderr), daemon=True)]
+            for t in pumps:
+                t.start()
+            timed_out = False
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                say(f"timeout after {timeout:.0f}s; killing the guest")
+                kill_group(proc)
+            for t in pumps:
+                t.join(timeout=5)
+            if timed_out:
+                return EXIT_TIMEOUT if os.path.exists(os.path.join(rundir, "started")) \
+                    else EXIT_BOOT_FAILED
+            elapsed = time.monotonic() - t0
+            rc_path = os.path.join(rundir, "rc")
+            try:
+                with open(rc_path) as f:
+                    rc = int(f.read().strip())
+                if os.path.exists(os.path.join(rundir, "nodev")):
+                    return EXIT_BOOT_FAILED
+            except (OSError, ValueError):
+                started = os.path.exists(os.path.join(rundir, "started"))
+                say(f"the guest reported no exit status (vng exited {proc.returncode}"
+                    f"{'' if started else ', before the command started'}); "
+                    "boot failure or kernel panic? rerun with --show-boot")
+                return EXIT_NO_STATUS if started else EXIT_BOOT_FAILED
+            say(f"command exited {rc} ({elapsed:.1f}s including boot)")
+            return rc
+        except KeyboardInterrupt:
+            return 130
+        finally:
+            if proc is not None and proc.poll() is None:
+                kill_group(proc)
+            shutil.rmtree(rundir, ignore_errors=True)
+
+    # A TCG guest on a loaded host sometimes fails to boot (vng exits 255, or the NVMe
+    # namespace shows up late): retry a boot that never started the command, within the budget.
+    deadline = time.monotonic() + args.timeout
+    for attempt in range(1, args.boot_attempts + 1):
+        left = deadline - time.monotonic()
+        rc = boot_once(left)
+        if rc != EXIT_BOOT_FAILED:
+            return rc
+        if attempt < args.boot_attempts and deadline - time.monotonic() > 60:
+            say(f"boot attempt {attempt} failed before the command started; retrying")
+            continue
+        break
+    return EXIT_NO_STATUS
 
 
 def kill_group(proc: subprocess.Popen) -> None:

@@ -44,10 +44,10 @@ def test_retainzfs_on_zns(config):
         if os.environ.get("CI"):
             pytest.fail("QEMU ZNS prerequisites missing in CI: " + missing)
         pytest.skip("QEMU ZNS prerequisites missing: " + missing)
-    cmd = [sys.executable, str(RUNNER), "--timeout", "540", "--size", "256M",
+    cmd = [sys.executable, str(RUNNER), "--timeout", "900", "--size", "256M",
            "--max-open", "8", "--max-active", "8", *CONFIGS[config], "--",
            f"python3 {GUEST} --gens {GENS} --gen-mib {GEN_MIB}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=960)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, (f"no result from the guest (rc {proc.returncode})\nstdout:\n"
                    f"{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-3000:]}")

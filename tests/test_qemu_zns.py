@@ -140,10 +140,10 @@ def guest_result():
         if os.environ.get("CI"):
             pytest.fail("QEMU ZNS prerequisites missing in CI: " + missing)
         pytest.skip("QEMU ZNS prerequisites missing: " + missing)
-    cmd = [sys.executable, str(RUNNER), "--timeout", "420", "--ro-cwd",
+    cmd = [sys.executable, str(RUNNER), "--timeout", "720", "--ro-cwd",
            "--size", "256M", "--zone-size", "4M", "--max-open", "8", "--max-active", "8",
            "--", shlex.join(["python3", "-c", GUEST])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=480)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=780)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("QEMU_ZNS_RESULT ")]
     assert proc.returncode == 0 and lines, (
         f"guest run failed (rc {proc.returncode})\nstdout:\n{proc.stdout[-4000:]}\n"

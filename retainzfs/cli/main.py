@@ -93,6 +93,11 @@ def print_status(st: dict, path: str) -> None:
         t.add_row("capacity stop", f"yes ({st.get('enospc', 0)} ENOSPC)", style="red")
     for p, err in (st.get("policy_errors") or {}).items():
         t.add_row("policy error", f"{p}: {err}", style="red")
+    for z, bad in (st.get("bad_zones") or {}).items():
+        files = bad.get("files") or []
+        t.add_row(f"zone {z} out of service", f"{bad['reason']}; {len(files)} files affected"
+                  + (f" ({', '.join(files[:3])}{' ...' if len(files) > 3 else ''})" if files else ""),
+                  style="red")
     Console().print(t)
 
 
