@@ -1,333 +1,558 @@
-# cython: language_level=3
-"""Journal: CRC32C-framed records over the metadata zones.
+# cython: language_level=3, boundscheck=True, wraparound=True
+"""Metadata log, format v2: checksummed, sequence-numbered frames in mirrored zone pairs.
 
-Why a log in zones: a zoned device only appends, so metadata is a sequence of records
-``[crc32c u32][length u32][type u8][payload]`` (crc covers length, type and payload).  A flush
-pads the batch to the block size with zeros; a zero length word therefore means "padding, skip
-to the next block".  A torn or corrupt record ends replay: it was never acknowledged.
+Why this shape:
+* A zoned device only appends, so metadata is a log.  Each flush is one or more *frames*:
+  ``[magic 'RZB2'][hcrc u32][seq u64][fsid u32][nbytes u32][nblocks u32][bcrc u32]`` + records +
+  explicit zero padding to the block size.  ``hcrc`` covers the header, ``bcrc`` the body *and*
+  the padding, so no byte of a metadata zone is unchecked.
+* Every frame carries the next sequence number.  A damaged frame followed by valid ones (or a
+  gap in the numbers) is corruption in the middle, never "end of log": the reader reports it
+  and the store refuses to mount read-write rather than drop acknowledged records (LevelDB's
+  log reader reports corruption instead of guessing past it).
+* Every frame is written to both zones of a *pair*, at the same offset (btrfs DUP): one damaged
+  copy is recovered from the other.
+* The log runs through a ring of pairs.  A *roll* writes a fresh snapshot (possibly spanning
+  several pairs) starting at a free pair and then resets the pairs before it; rolls happen when
+  the log since the last snapshot is at least as large as the snapshot (so the journal costs
+  O(records), amortized), or when the ring runs short of free pairs.
+* Each pair starts with a SUPER frame (the superblock), so any live pair identifies the device.
 
-Each metadata zone starts with a SUPER record (the superblock plus a sequence number), then a
-full snapshot (SNAP_BEGIN, SNAP_CHUNK..., SNAP_END), then incremental records.  When the active
-metadata zone fills, the writer *rolls*: it finishes the old zone (so it needs no active slot),
-writes SUPER(seq+1) and a fresh snapshot into the next metadata zone, and only then resets the
-old one.  Mount picks the highest sequence number whose snapshot is complete.
+This module frames and reads; ``records.py`` says what records mean.
 """
-import json
+import errno
 import struct
 
 from crc32c import crc32c as _crc32c
 
-MAGIC = "retainzfs"
-FORMAT_VERSION = 1
+from . import records as R
+from .superblock import FormatError, Superblock
 
-# Record types (stable on-disk numbers).
-SUPER = 1
-SNAP_BEGIN = 2
-SNAP_CHUNK = 3
-SNAP_END = 4
-INODE = 10          # create/update: full attributes (JSON)
-INODE_DEL = 11      # inode freed
-DIRENT_ADD = 12
-DIRENT_DEL = 13
-RENAME = 14
-EXTENT = 20         # file range -> zone range (binary, hot path)
-TRUNCATE = 21
-RELOCATE = 22       # GC moved a live range
-ZONE_FINISH = 30
-ZONE_RESET = 31
-
-RECORD_NAMES = {SUPER: "super", SNAP_BEGIN: "snap_begin", SNAP_CHUNK: "snap_chunk",
-                SNAP_END: "snap_end", INODE: "inode", INODE_DEL: "inode_del",
-                DIRENT_ADD: "dirent_add", DIRENT_DEL: "dirent_del", RENAME: "rename",
-                EXTENT: "extent", TRUNCATE: "truncate", RELOCATE: "relocate",
-                ZONE_FINISH: "zone_finish", ZONE_RESET: "zone_reset"}
-
-_HDR = struct.Struct("<IIB")
-_EXTENT = struct.Struct("<QQIQQd")      # ino, file_off, zone, zone_off, length, hint
-_RELOC = struct.Struct("<QQQIQIQ")      # ino, file_off, length, old_zone, old_off, new_zone, new_off
-_TRUNC = struct.Struct("<QQ")
-_ZONE = struct.Struct("<I")
-HEADER_SIZE = 9
+FRAME_MAGIC = b"RZB2"
+_FH = struct.Struct("<4sIQIIII")         # magic, hcrc, seq, fsid, nbytes, nblocks, bcrc
+FRAME_HEADER = _FH.size                  # 32
+_REC = struct.Struct("<IB")              # record: length (type + payload), type
+REC_HEADER = _REC.size                   # 5
 MAX_RECORD = 1 << 26
-SNAP_CHUNK_SIZE = 1 << 20
 
 
 class JournalError(Exception):
     """A journal that cannot be used (no valid superblock / snapshot)."""
 
 
-cpdef unsigned int crc32c(data):
-    return _crc32c(data)
+cpdef unsigned int crc32c(data, unsigned int value=0):
+    return _crc32c(data, value)
 
 
 cpdef bytes encode_record(int rtype, payload):
-    """Frame one record."""
     cdef Py_ssize_t n = len(payload)
     if n + 1 > MAX_RECORD:
         raise ValueError("journal record too large")
-    body = _HDR.pack(0, n + 1, rtype)[4:] + bytes(payload)
-    return struct.pack("<I", _crc32c(body)) + body
+    return _REC.pack(n + 1, rtype) + bytes(payload)
 
 
-def decode_records(buf, Py_ssize_t start=0, Py_ssize_t block_size=4096):
-    """Parse records from ``buf``; returns (records, end, clean).
-
-    ``records`` is a list of (type, payload, offset); ``end`` the offset just past the last
-    good record (block-aligned when followed by padding); ``clean`` is False when parsing stopped
-    at a torn/corrupt record rather than at the end of the data.
-    """
-    cdef const unsigned char[:] view = memoryview(buf).cast("B")
-    cdef Py_ssize_t pos = start, total = view.shape[0], length, nxt
-    cdef unsigned int crc
-    cdef list out = []
+def decode_records(body):
+    """Records of one verified frame body: [(type, payload)]; ValueError if malformed."""
+    cdef const unsigned char[:] v = memoryview(body).cast("B")
+    cdef Py_ssize_t pos = 0, total = v.shape[0], length
+    out = []
+    mv = memoryview(body)
     while pos < total:
-        nxt = ((pos // block_size) + 1) * block_size
-        if pos + HEADER_SIZE <= total:
-            crc = view[pos] | (view[pos + 1] << 8) | (view[pos + 2] << 16) | (<unsigned int>view[pos + 3] << 24)
-            length = view[pos + 4] | (view[pos + 5] << 8) | (view[pos + 6] << 16) | (<Py_ssize_t>view[pos + 7] << 24)
-            if 0 < length <= MAX_RECORD and pos + 8 + length <= total:
-                body = bytes(view[pos + 4:pos + 8 + length])
-                if _crc32c(body) == crc:
-                    out.append((view[pos + 8], body[5:], pos))
-                    pos += 8 + length
-                    continue
-        # Not a valid record here.  A flush pads its batch with zeros to the block boundary, and
-        # that padding may be shorter than a record header (1..8 bytes): zeros up to the next
-        # block boundary are padding, whatever their length.
-        if _all_zero(view, pos, min(nxt, total)):
-            pos = nxt
-            continue
-        return out, pos, False
-    return out, min(pos, total), True
+        if pos + REC_HEADER > total:
+            raise ValueError("record header past the frame body")
+        length = v[pos] | (v[pos + 1] << 8) | (v[pos + 2] << 16) | (<Py_ssize_t>v[pos + 3] << 24)
+        if length < 1 or pos + 4 + length > total:
+            raise ValueError("record length past the frame body")
+        out.append((v[pos + 4], bytes(mv[pos + 5:pos + 4 + length])))
+        pos += 4 + length
+    return out
 
 
-cdef bint _all_zero(const unsigned char[:] view, Py_ssize_t a, Py_ssize_t b):
+def encode_frame(unsigned long long seq, unsigned int fsid, body, Py_ssize_t bs):
+    """One frame: header + body + explicit zero padding, a whole number of blocks."""
+    cdef Py_ssize_t nb = len(body)
+    cdef Py_ssize_t pad = -(FRAME_HEADER + nb) % bs
+    tail = bytes(body) + bytes(pad)
+    bcrc = _crc32c(tail)
+    rest = struct.pack("<QIIII", seq, fsid, nb, (FRAME_HEADER + nb + pad) // bs, bcrc)
+    return FRAME_MAGIC + struct.pack("<I", _crc32c(rest)) + rest + tail
+
+
+def frame_size(Py_ssize_t nbody, Py_ssize_t bs):
+    return FRAME_HEADER + nbody + (-(FRAME_HEADER + nbody) % bs)
+
+
+cdef bint _zero(const unsigned char[:] v, Py_ssize_t a, Py_ssize_t b):
     cdef Py_ssize_t i
     for i in range(a, b):
-        if view[i] != 0:
+        if v[i] != 0:
             return False
     return True
 
 
-def end_is_blank(buf, Py_ssize_t pos):
-    """True when everything from ``pos`` on is zero (a finished zone's unwritten part)."""
-    cdef const unsigned char[:] view = memoryview(buf).cast("B")
-    return _all_zero(view, pos, view.shape[0])
+def parse_frame(buf, Py_ssize_t pos, Py_ssize_t bs, unsigned int fsid):
+    """(seq, body, nblocks) of a valid frame at ``pos`` of ``buf``, else None."""
+    cdef const unsigned char[:] v = memoryview(buf).cast("B")
+    cdef Py_ssize_t total = v.shape[0]
+    if pos + FRAME_HEADER > total:
+        return None
+    mv = memoryview(buf)
+    if bytes(mv[pos:pos + 4]) != FRAME_MAGIC:
+        return None
+    magic, hcrc, seq, ffsid, nbytes, nblocks, bcrc = _FH.unpack_from(buf, pos)
+    if _crc32c(bytes(mv[pos + 8:pos + FRAME_HEADER])) != hcrc:
+        return None
+    if fsid and ffsid != fsid:
+        return None
+    end = pos + nblocks * bs
+    if nblocks < 1 or end > total or FRAME_HEADER + nbytes > nblocks * bs:
+        return None
+    if _crc32c(mv[pos + FRAME_HEADER:end]) != bcrc:
+        return None
+    if not _zero(v, pos + FRAME_HEADER + nbytes, end):      # padding is explicit: zeros only
+        return None
+    return seq, bytes(mv[pos + FRAME_HEADER:pos + FRAME_HEADER + nbytes]), nblocks
 
 
-# ---- payload codecs -------------------------------------------------------------------------
-
-cpdef bytes pack_extent(unsigned long long ino, unsigned long long file_off, unsigned int zone,
-                        unsigned long long zone_off, unsigned long long length, double hint):
-    return _EXTENT.pack(ino, file_off, zone, zone_off, length, hint)
+def is_blank(buf, Py_ssize_t pos):
+    cdef const unsigned char[:] v = memoryview(buf).cast("B")
+    return _zero(v, pos, v.shape[0])
 
 
-def unpack_extent(payload):
-    return _EXTENT.unpack(payload)
+# ---- reading ----------------------------------------------------------------------------
+
+def _read_copy(dev, zone):
+    z = dev.zone(zone)
+    if z.wp == 0:
+        return b""
+    try:
+        return dev.read(zone, 0, z.wp)
+    except OSError:
+        return None                       # an OFFLINE zone: the mirror has to serve
 
 
-def pack_relocate(ino, file_off, length, old_zone, old_off, new_zone, new_off):
-    return _RELOC.pack(ino, file_off, length, old_zone, old_off, new_zone, new_off)
+def read_pair(dev, int pair, unsigned int fsid, Py_ssize_t bs):
+    """Frames of one pair, each from whichever copy verifies.
+
+    Returns (frames, problems, damage) where frames = [(seq, body, offset)], problems are
+    repaired single-copy damages (strings) and damage = [(offset, next_valid_offset|None)] for
+    positions where neither copy verifies (None: nothing valid follows — a torn tail)."""
+    za, zb = 2 * pair, 2 * pair + 1
+    a, b = _read_copy(dev, za), _read_copy(dev, zb)
+    problems = []
+    if a is None:
+        problems.append(f"metadata zone {za} unreadable; using its mirror {zb}")
+        a = b""
+    if b is None:
+        problems.append(f"metadata zone {zb} unreadable; using its mirror {za}")
+        b = b""
+    if len(a) != len(b) and a and b:
+        problems.append(f"metadata zones {za}/{zb}: copies end at {len(a)}/{len(b)}")
+    end = max(len(a), len(b))
+    frames, damage = [], []
+    pos = 0
+    while pos < end:
+        fa = parse_frame(a, pos, bs, fsid)
+        fb = parse_frame(b, pos, bs, fsid)
+        if fa is not None and fb is not None and fa[0] != fb[0]:
+            problems.append(f"metadata zones {za}/{zb} differ at {pos}")
+        f = fa if fa is not None else fb
+        if f is not None:
+            if fa is None and pos < len(a):
+                problems.append(f"metadata zone {za} damaged at offset {pos}; mirror {zb} used")
+            elif fb is None and pos < len(b):
+                problems.append(f"metadata zone {zb} damaged at offset {pos}; mirror {za} used")
+            frames.append((f[0], f[1], pos))
+            pos += f[2] * bs
+            continue
+        if (pos >= len(a) or is_blank(a, pos)) and (pos >= len(b) or is_blank(b, pos)):
+            break                         # nothing more was written here
+        nxt = None
+        q = pos + bs
+        while q < end:
+            if parse_frame(a, q, bs, fsid) is not None or parse_frame(b, q, bs, fsid) is not None:
+                nxt = q
+                break
+            q += bs
+        damage.append((pos, nxt))
+        if nxt is None:
+            break
+        pos = nxt
+    return frames, problems, damage
 
 
-def unpack_relocate(payload):
-    return _RELOC.unpack(payload)
+def probe_superblock(dev, int max_zones=0):
+    """The Superblock of a formatted v2 device, or None; FormatError for another version."""
+    cdef int z
+    limit = dev.nr_zones if not max_zones else min(max_zones, dev.nr_zones)
+    for z in range(limit):
+        zi = dev.zone(z)
+        if zi.wp == 0:
+            continue
+        try:
+            head = dev.read(z, 0, min(zi.wp, 1 << 16))
+        except OSError:
+            continue
+        f = parse_frame(head, 0, dev.block_size, 0)
+        if f is None:
+            _raise_if_v1(head)
+            continue
+        try:
+            recs = decode_records(f[1])
+        except ValueError:
+            continue
+        if recs and recs[0][0] == R.SUPER:
+            return Superblock.decode(recs[0][1])
+    return None
 
 
-def pack_truncate(ino, size):
-    return _TRUNC.pack(ino, size)
+def _raise_if_v1(head):
+    """Format v1 started a zone with ``[crc][len][type=1]{json with "version":1}``."""
+    if (len(head) > 10 and head[:4] != FRAME_MAGIC and head[8] == 1 and head[9:10] == b"{"
+            and b'"magic":"retainzfs"' in head[:4096]):
+        import re
+        m = re.search(rb'"version":(\d+)', head[:4096])
+        v = int(m.group(1)) if m else 1
+        raise FormatError(f"retainzfs format version {v} on disk; this retainzfs reads format "
+                          f"version 2 only (copy the files to a filesystem made by this version)")
 
 
-def unpack_truncate(payload):
-    return _TRUNC.unpack(payload)
+class LogState:
+    """What the metadata zones hold, as read at mount."""
+
+    def __init__(self):
+        self.sb = None
+        self.snapshot = None          # bytes of the newest complete snapshot
+        self.records = []             # [(type, payload)] after it, in order
+        self.problems = []            # repaired (single-copy) damage
+        self.corrupt = None           # why acknowledged metadata is missing (None: intact)
+        self.torn = False             # the last flush was torn (never acknowledged)
+        self.next_seq = 1
+        self.live = []                # pairs holding the live log, oldest first
+        self.active_wp = 0
+        self.uneven = False           # the active pair's copies differ in length
+        self.snap_bytes = 0
+        self.log_bytes = 0
 
 
-def pack_zone(zone):
-    return _ZONE.pack(zone)
+def load(dev, sb):
+    """Read the whole log of a v2 device described by ``sb``."""
+    cdef Py_ssize_t bs = dev.block_size
+    fsid = sb.fsid
+    st = LogState()
+    st.sb = sb
+    pairs = sb.meta_zones // 2
+    per_pair = {}
+    frames = []                       # (seq, pair, offset, body)
+    for p in range(pairs):
+        fr, probs, dmg = read_pair(dev, p, fsid, bs)
+        st.problems += probs
+        per_pair[p] = (fr, dmg)
+        for seq, body, off in fr:
+            frames.append((seq, p, off, body))
+    frames.sort()
+    if not frames:
+        raise JournalError("no metadata frame passes its checksum")
+    # the newest snapshot whose frames are all present and contiguous
+    snap = None
+    i = 0
+    n = len(frames)
+    while i < n:
+        recs = _recs(frames[i][3])
+        if recs and recs[0][0] == R.SNAP_BEGIN:
+            j, parts, ok, done = i, [], True, False
+            while j < n and ok and not done:
+                if j > i and frames[j][0] != frames[j - 1][0] + 1:
+                    ok = False
+                    break
+                for t, p in _recs(frames[j][3]):
+                    if t == R.SNAP_CHUNK:
+                        parts.append(p)
+                    elif t == R.SNAP_END:
+                        done = True
+                j += 1
+            if ok and done:
+                snap = (i, j, b"".join(parts))
+            i = max(j, i + 1)
+        else:
+            i += 1
+    if snap is None:
+        raise JournalError("no complete metadata snapshot found (corrupt journal)")
+    first, after, st.snapshot = snap
+    begin_seq = frames[first][0]
+    # everything after the snapshot must be there, numbered without gaps
+    prev = frames[after - 1][0]
+    for k in range(after, n):
+        seq, p, off, body = frames[k]
+        if seq == prev:
+            continue                  # the same frame seen twice cannot happen; be safe
+        if seq != prev + 1:
+            st.corrupt = (f"metadata frames {prev + 1}..{seq - 1} are missing (damaged in both "
+                          f"copies)")
+            break
+        prev = seq
+        for t, pl in _recs(body):
+            if t in (R.SUPER, R.SNAP_BEGIN, R.SNAP_CHUNK, R.SNAP_END):
+                continue              # an interrupted later roll: its records are below
+            st.records.append((t, pl))
+        st.log_bytes += len(body)
+    st.next_seq = frames[-1][0] + 1
+    st.snap_bytes = sum(len(frames[k][3]) for k in range(first, after))
+    # live pairs: those holding frames from the snapshot on, in log order
+    order = []
+    for seq, p, off, body in frames[first:]:
+        if p not in order:
+            order.append(p)
+    st.live = order
+    last = order[-1]
+    fr, dmg = per_pair[last]
+    # damage: in the middle of the live log it is corruption; at the very end a torn flush
+    for p in order:
+        for pos, nxt in per_pair[p][1]:
+            if nxt is not None or p != last:
+                if st.corrupt is None:
+                    st.corrupt = (f"metadata zones {2 * p}/{2 * p + 1}: both copies damaged at "
+                                  f"offset {pos}, with valid frames after it")
+            else:
+                st.torn = True
+    za, zb = dev.zone(2 * last), dev.zone(2 * last + 1)
+    st.active_wp = max(za.wp, zb.wp)
+    st.uneven = za.wp != zb.wp or st.torn or bool(st.problems)
+    return st
 
 
-def unpack_zone(payload):
-    return _ZONE.unpack(payload)[0]
+def _recs(body):
+    try:
+        return decode_records(body)
+    except ValueError:
+        return []
 
 
-def pack_json(obj):
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def unpack_json(payload):
-    return json.loads(bytes(payload))
-
-
-# ---- the log over metadata zones ------------------------------------------------------------
+# ---- the log writer ----------------------------------------------------------------------
 
 class Journal:
-    """Writer and reader of the metadata log on zones ``[0, meta_zones)`` of ``dev``.
+    """Writer of the metadata log over the pairs of zones ``[0, meta_zones)``.
 
-    The caller serialises access (the store holds its I/O lock around flush/roll).
-    ``snapshot_fn()`` returns the encoded namespace snapshot (bytes) used when rolling.
+    The caller serialises ``prepare``/``commit`` (the store holds its I/O lock), and holds the
+    namespace lock around ``prepare`` only.  ``snapshot_fn()`` returns the snapshot blob.
     """
 
-    def __init__(self, dev, meta_zones, superblock, snapshot_fn):
+    def __init__(self, dev, sb, snapshot_fn):
         self.dev = dev
-        self.meta_zones = meta_zones
-        self.superblock = dict(superblock)
+        self.sb = sb
+        self.fsid = sb.fsid
+        self.bs = dev.block_size
+        self.pairs = sb.meta_zones // 2
+        self.cap = min(dev.zone(z).capacity for z in range(sb.meta_zones))
+        self.chunk = max(self.bs, min(R.SNAP_CHUNK_SIZE, (self.cap // 4) // self.bs * self.bs))
+        self.body_max = max(self.chunk + 64, 64 << 10)
         self.snapshot_fn = snapshot_fn
-        self.active = 0
-        self.seq = int(self.superblock.get("seq", 1))
         self.pending = bytearray()
-        self.bytes_written = 0
+        self.seq = 1
+        self.live = [0]
+        self.wp = 0
+        self.snap_bytes = 0
+        self.log_bytes = 0
+        self.bytes_written = 0          # device bytes (both copies)
         self.flushes = 0
         self.rolls = 0
+        self.failed = None
+        self.ensure_open = None         # store callback: make room within max_open for a zone
 
-    # -- writing --
+    # -- state after mount
+    def resume(self, st):
+        self.seq = st.next_seq
+        self.live = list(st.live)
+        self.wp = st.active_wp
+        self.snap_bytes = st.snap_bytes
+        self.log_bytes = st.log_bytes
+
+    @property
+    def active(self):
+        return self.live[-1]
+
+    def zones(self, pair):
+        return (2 * pair, 2 * pair + 1)
+
+    # -- writing
     def append(self, int rtype, payload):
         self.pending += encode_record(rtype, payload)
 
     def has_pending(self):
         return len(self.pending) > 0
 
-    def _padded(self, data):
-        bs = self.dev.block_size
-        rem = len(data) % bs
-        if rem:
-            data = bytes(data) + bytes(bs - rem)
-        return data
+    def _split(self, body):
+        """Frame bodies of at most ``body_max`` bytes, cut at record boundaries."""
+        out = []
+        mv = memoryview(body)
+        start = pos = 0
+        total = len(body)
+        while pos < total:
+            length = int.from_bytes(mv[pos:pos + 4], "little")
+            nxt = pos + 4 + length
+            if nxt - start > self.body_max and pos > start:
+                out.append(bytes(mv[start:pos]))
+                start = pos
+            pos = nxt
+        if total > start:
+            out.append(bytes(mv[start:total]))
+        return out
+
+    def _size(self, bodies):
+        return sum(frame_size(len(b), self.bs) for b in bodies)
+
+    def _super_body(self):
+        return encode_record(R.SUPER, self.sb.encode())
+
+    def _free_pairs(self):
+        return [p for p in ((self.active + k) % self.pairs for k in range(1, self.pairs))
+                if p not in self.live]
+
+    def _pairs_for(self, nbytes):
+        return -(-nbytes // max(self.cap - 2 * self.bs - frame_size(len(self._super_body()), self.bs), self.bs))
 
     def prepare(self):
         """Detach pending records (caller holds the namespace lock): a plan for ``commit``.
 
-        Returns None, ("append", padded bytes) or ("roll", image) where the image is a full
-        snapshot taken now, which already contains every pending record.
-        """
+        None, ("append", bodies, raw), ("next", bodies, raw) or ("roll", bodies, raw) where a
+        roll's bodies are a whole snapshot taken now (it already holds every pending record)."""
+        if self.failed is not None:
+            raise OSError(errno.EIO, f"metadata log unusable after an earlier write error: "
+                                     f"{self.failed}")
         if not self.pending:
             return None
-        data = self._padded(self.pending)
+        raw = bytes(self.pending)
         self.pending = bytearray()
-        z = self.dev.zone(self.active)
-        if z.capacity - z.wp < len(data):
-            return ("roll", self._image(self.seq + 1))
-        return ("append", data)
+        bodies = self._split(raw)
+        size = self._size(bodies)
+        if self.wp + size <= self.cap:
+            return ("append", bodies, raw)
+        free = self._free_pairs()
+        est = self._pairs_for(max(self.snap_bytes, 1) * 5 // 4 + self.chunk)
+        if (self.log_bytes + size >= self.snap_bytes or len(free) < est + 2
+                or frame_size(len(self._super_body()), self.bs) + size > self.cap):
+            return self._roll_plan(raw)
+        return ("next", bodies, raw)
+
+    def _roll_plan(self, raw):
+        bodies = self._image_bodies()
+        if len(self._free_pairs()) < self._pairs_for(self._size(bodies)):
+            self.pending = bytearray(raw) + self.pending
+            raise OSError(errno.ENOSPC, f"metadata zones full: the snapshot needs "
+                                        f"{self._pairs_for(self._size(bodies))} free zone pairs, "
+                                        f"{len(self._free_pairs())} are free (mkfs --meta-zones)")
+        return ("roll", bodies, raw)
+
+    def _image_bodies(self):
+        snap = self.snapshot_fn()
+        out = [encode_record(R.SNAP_BEGIN, R.pack_json({"length": len(snap)}))]
+        for i in range(0, len(snap), self.chunk):
+            out.append(encode_record(R.SNAP_CHUNK, snap[i:i + self.chunk]))
+        out.append(encode_record(R.SNAP_END, R.pack_json({"length": len(snap)})))
+        # pack small records together: SNAP_BEGIN with the first chunk, SNAP_END with the last
+        return self._split(b"".join(out))
+
+    def _write_frame(self, body):
+        frame = encode_frame(self.seq, self.fsid, body, self.bs)
+        za, zb = self.zones(self.active)
+        for z in (za, zb):
+            if self.ensure_open is not None:
+                self.ensure_open(z)
+            self.dev.write(z, self.wp, frame)
+        self.seq += 1
+        self.wp += len(frame)
+        self.bytes_written += 2 * len(frame)
+        return len(body)
+
+    def _start_pair(self, pair):
+        for z in self.zones(pair):
+            zi = self.dev.zone(z)
+            if zi.wp or zi.cond != 1:
+                self.dev.reset(z)
+        self.live.append(pair)
+        self.wp = 0
+        self._write_frame(self._super_body())
+
+    def _release_slots(self):
+        """Finish the zones of the active pair so they hold no open/active slot."""
+        for z in self.zones(self.active):
+            if self.dev.zone(z).cond not in (1, 14):
+                self.dev.finish(z)
 
     def commit(self, plan, sync=True):
-        """Write a prepared plan (caller holds the I/O lock only); optionally flush the device."""
+        """Write a prepared plan (I/O lock only); optionally flush the device."""
         if plan is not None:
-            if plan[0] == "append":
-                z = self.dev.zone(self.active)
-                self.dev.write(self.active, z.wp, plan[1])
-                self.bytes_written += len(plan[1])
-            else:
-                self._roll_with(plan[1])
+            try:
+                self._commit(plan)
+            except OSError as e:
+                self.failed = str(e)
+                raise
         self.flushes += 1
         if sync:
             self.dev.flush()
+
+    def _commit(self, plan):
+        kind, bodies, raw = plan
+        if kind == "roll":
+            self._roll_with(bodies)
+            return
+        for body in bodies:
+            if self.wp + frame_size(len(body), self.bs) > self.cap:
+                free = self._free_pairs()
+                if not free:
+                    raise OSError(errno.ENOSPC, "metadata zones full")
+                self._release_slots()
+                self._start_pair(free[0])
+            self.log_bytes += self._write_frame(body)
+
+    def _roll_with(self, bodies):
+        old = list(self.live)
+        free = self._free_pairs()
+        self._release_slots()
+        self.live = []
+        self._start_pair(free.pop(0))
+        size = 0
+        for body in bodies:
+            if self.wp + frame_size(len(body), self.bs) > self.cap:
+                if not free:
+                    raise OSError(errno.ENOSPC, "metadata zones full during a roll")
+                self._release_slots()
+                self._start_pair(free.pop(0))
+            size += self._write_frame(body)
+        self.dev.flush()                  # the new snapshot is durable before the old goes
+        for p in old:
+            for z in self.zones(p):
+                if self.dev.zone(z).wp or self.dev.zone(z).cond != 1:
+                    self.dev.reset(z)
+        self.snap_bytes = size
+        self.log_bytes = 0
+        self.rolls += 1
 
     def flush(self, sync=True):
         """prepare + commit in one step (single-threaded users: mkfs, tests, recovery)."""
         self.commit(self.prepare(), sync)
 
-    def _image(self, seq):
-        sb = dict(self.superblock)
-        sb["seq"] = seq
-        out = bytearray(encode_record(SUPER, pack_json(sb)))
-        snap = self.snapshot_fn()
-        out += encode_record(SNAP_BEGIN, pack_json({"seq": seq, "length": len(snap)}))
-        for i in range(0, len(snap), SNAP_CHUNK_SIZE):
-            out += encode_record(SNAP_CHUNK, snap[i:i + SNAP_CHUNK_SIZE])
-        out += encode_record(SNAP_END, pack_json({"seq": seq}))
-        return self._padded(out)
-
     def roll(self):
-        """Snapshot into the next metadata zone, then reset the old one (crash-safe order)."""
+        """Write a fresh snapshot now (after mount-time repairs, or to restore redundancy)."""
+        raw = bytes(self.pending)
         self.pending = bytearray()
-        self._roll_with(self._image(self.seq + 1))
-
-    def _roll_with(self, data):
-        old = self.active
-        new = (old + 1) % self.meta_zones
-        if len(data) > self.dev.zone(new).capacity:
-            raise OSError(28, "metadata snapshot larger than a metadata zone")
-        zn = self.dev.zone(new)
-        if zn.wp or zn.cond != 1:
-            self.dev.reset(new)
-        zo = self.dev.zone(old)
-        if zo.cond not in (1, 14):         # free the old zone's open/active slot
-            self.dev.finish(old)
-        self.dev.write(new, 0, data)
-        self.dev.flush()
-        self.bytes_written += len(data)
-        self.seq += 1
-        self.active = new
-        self.dev.reset(old)
-        self.rolls += 1
+        self.commit(self._roll_plan(raw), sync=True)
 
     def format(self):
-        """mkfs: reset every metadata zone and write SUPER(seq=1) + snapshot into zone 0."""
-        for z in range(self.meta_zones):
+        """mkfs: reset every metadata zone; SUPER + snapshot into pair 0."""
+        for z in range(2 * self.pairs):
             self.dev.reset(z)
         self.seq = 1
-        data = self._image(1)
-        self.dev.write(0, 0, data)
+        self.live = []
+        self._start_pair(0)
+        free = list(range(1, self.pairs))
+        size = 0
+        for body in self._image_bodies():
+            if self.wp + frame_size(len(body), self.bs) > self.cap:
+                if not free:
+                    raise OSError(errno.ENOSPC, "metadata zones too small for the snapshot")
+                self._release_slots()
+                self._start_pair(free.pop(0))
+            size += self._write_frame(body)
+        self.snap_bytes = size
         self.dev.flush()
-        self.active = 0
-
-    # -- reading --
-    @staticmethod
-    def read_zone(dev, zone):
-        """Parse one metadata zone: (super, snapshot bytes|None, records after it, clean, end)."""
-        z = dev.zone(zone)
-        if z.wp == 0:
-            return None
-        buf = dev.read(zone, 0, z.wp)
-        recs, end, clean = decode_records(buf, 0, dev.block_size)
-        if not clean and end_is_blank(buf, end):
-            clean = True
-        if not recs or recs[0][0] != SUPER:
-            return None
-        try:
-            sb = unpack_json(recs[0][1])
-        except ValueError:
-            return None
-        if sb.get("magic") != MAGIC:
-            return None
-        snap = None
-        i = 1
-        if i < len(recs) and recs[i][0] == SNAP_BEGIN:
-            parts = []
-            i += 1
-            while i < len(recs) and recs[i][0] == SNAP_CHUNK:
-                parts.append(recs[i][1])
-                i += 1
-            if i < len(recs) and recs[i][0] == SNAP_END:
-                snap = b"".join(parts)
-                i += 1
-        return {"zone": zone, "super": sb, "snapshot": snap, "records": recs[i:],
-                "clean": clean, "end": end, "wp": z.wp}
-
-    @classmethod
-    def find_latest(cls, dev, meta_zones):
-        """The newest metadata zone with a complete snapshot, or raise JournalError."""
-        best = None
-        seen_super = False
-        for zone in range(min(meta_zones, dev.nr_zones)):
-            info = cls.read_zone(dev, zone)
-            if info is None:
-                continue
-            seen_super = True
-            if info["snapshot"] is None:
-                continue
-            if best is None or info["super"]["seq"] > best["super"]["seq"]:
-                best = info
-        if best is None:
-            if seen_super:
-                raise JournalError("no complete metadata snapshot found (corrupt journal)")
-            raise JournalError("no retainzfs superblock in the metadata zones")
-        return best
-
-
-def probe_superblock(dev, meta_zones=3):
-    """Return the superblock dict of a formatted device, or None."""
-    for zone in range(min(meta_zones, dev.nr_zones)):
-        info = Journal.read_zone(dev, zone)
-        if info is not None:
-            return info["super"]
-    return None

@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+META_PAIR_ZONES = 4       # format v2: two mirrored pairs
+
 from . import workload as wl
 from ._alloc import POLICIES
 from .device import create_image
@@ -161,9 +163,15 @@ class _Replayer:
     def _open(self, tmp: str) -> None:
         d = self.spec
         img = os.path.join(tmp, "replay.zns")
-        self.dev = create_image(img, d.zone_size * d.nr_zones, d.zone_size, d.zone_capacity,
-                                d.max_open, d.max_active, d.block_size)
-        Store.format(self.dev, allocator=self.o.policy, gc_reserve=self.o.gc_reserve)
+        # The trace names one metadata zone (and one open/active slot for it) beside the data
+        # zones; format v2 writes metadata to a mirrored pair: one more zone and one more slot
+        # each, so the data zones and data budgets are exactly the trace's.
+        extra = META_PAIR_ZONES - wl.METADATA_ZONES
+        self.dev = create_image(img, d.zone_size * (d.nr_zones + extra), d.zone_size,
+                                d.zone_capacity, d.max_open + (1 if d.max_open else 0),
+                                d.max_active + (1 if d.max_active else 0), d.block_size)
+        Store.format(self.dev, meta_zones=META_PAIR_ZONES, allocator=self.o.policy,
+                     gc_reserve=self.o.gc_reserve)
         so = StoreOptions(allocator=self.o.policy, lam=self.o.lam, hint_grid=self.o.hint_grid,
                           gc_reserve=self.o.gc_reserve, common_admission=self.o.common_admission,
                           fullscan=self.o.fullscan, **self.o.store_kwargs)
@@ -327,7 +335,7 @@ class _Replayer:
         st = self.store.status()
         astats = self.store.alloc.stats()
         d = self.spec
-        cap = wl.data_capacity(d, self.store.meta_zones)
+        cap = wl.data_capacity(d)          # the trace's data zones (see _open)
         p99c = wl.percentile(cpu_lat, 99)
         res.update({
             "p99_commit_cpu_ms": None if p99c is None else p99c * 1000.0,

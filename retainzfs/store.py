@@ -31,16 +31,18 @@ from dataclasses import dataclass, field
 
 from . import _journal as J
 from . import hints as H
+from . import records as R
 from ._alloc import Allocator, NoSpace
+from .csums import ZoneChecksums, crcs_of
 from .device import ZoneCond, ZonedDevice
 from .extents import ExtentMap
+from .superblock import FormatError, Superblock, default_meta_zones
 from .writebuf import Chunks, WriteBuffer
 
 log = logging.getLogger("retainzfs")
 
 ROOT_INO = 1
 INF = math.inf
-DEFAULT_META_ZONES = 3
 FLUSH_BYTES = 4 << 20          # per-file write buffer bound before data go to a zone
 NAME_MAX = 255
 
@@ -138,25 +140,28 @@ class Store:
 
     # ------------------------------------------------------------------ format / open
     @staticmethod
-    def format(dev: ZonedDevice, *, meta_zones: int = DEFAULT_META_ZONES,
-               allocator: str = "retainz", gc_reserve: int = 1) -> dict:
-        """Write a fresh filesystem: reset every zone, superblock + empty snapshot in zone 0."""
+    def format(dev: ZonedDevice, *, meta_zones: int | None = None,
+               allocator: str = "retainz", gc_reserve: int = 1) -> Superblock:
+        """Write a fresh filesystem: reset every zone, superblock + empty snapshot in pair 0."""
+        if meta_zones is None:
+            meta_zones = default_meta_zones(dev.nr_zones, dev.zone_capacity)
+        if meta_zones < 4 or meta_zones % 2:
+            raise FsError(errno.EINVAL, f"--meta-zones {meta_zones}: need an even number >= 4 "
+                                        f"(metadata is written to zone pairs)")
         if dev.nr_zones < meta_zones + 2 + gc_reserve:
             raise FsError(errno.EINVAL, f"device has {dev.nr_zones} zones; need at least "
                                         f"{meta_zones + 2 + gc_reserve}")
-        sb = {"magic": J.MAGIC, "version": J.FORMAT_VERSION, "uuid": str(uuidlib.uuid4()),
-              "block_size": dev.block_size, "zone_size": dev.zone_size,
-              "zone_capacity": dev.zone_capacity, "nr_zones": dev.nr_zones,
-              "meta_zones": meta_zones, "allocator": allocator, "gc_reserve": gc_reserve,
-              "created": int(time.time()), "seq": 1}
+        if dev.max_active and dev.max_active < 4:
+            raise FsError(errno.EINVAL, f"device allows {dev.max_active} active zones; need at "
+                                        f"least 4 (a metadata pair and two data zones)")
+        sb = Superblock.new(dev, meta_zones, allocator, gc_reserve)
         for z in range(meta_zones, dev.nr_zones):
             if dev.zone(z).wp or dev.zone(z).cond != ZoneCond.EMPTY:
                 dev.reset(z)
         t = now_ns()
         root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, nlink=2, atime=t, mtime=t, ctime=t)
         snap = Store._encode_snapshot({ROOT_INO: root}, ROOT_INO + 1)
-        jr = J.Journal(dev, meta_zones, sb, lambda: snap)
-        jr.format()
+        J.Journal(dev, sb, lambda: snap).format()
         return sb
 
     def __init__(self, dev: ZonedDevice, options: StoreOptions | None = None):
@@ -165,16 +170,20 @@ class Store:
         self.io_lock = threading.Lock()
         self._readers = 0
         self._readers_cv = threading.Condition(threading.Lock())
-        info = J.Journal.find_latest(dev, DEFAULT_META_ZONES)
-        sb = info["super"]
+        sb = J.probe_superblock(dev)
+        if sb is None:
+            raise J.JournalError("no retainzfs superblock in the metadata zones")
+        why = sb.compatible_with(dev)
+        if why:
+            raise FormatError(why)
         self.sb = sb
-        if (sb["zone_size"] != dev.zone_size or sb["nr_zones"] != dev.nr_zones
-                or sb["block_size"] != dev.block_size):
-            raise FsError(errno.EINVAL, "superblock geometry does not match the device")
-        opts = options or StoreOptions(allocator=sb.get("allocator", "retainz"),
-                                       gc_reserve=sb.get("gc_reserve", 1))
+        opts = options or StoreOptions(allocator=sb.allocator, gc_reserve=sb.gc_reserve)
         self.opts = opts
-        self.meta_zones = sb["meta_zones"]
+        info = J.load(dev, sb)
+        if info.corrupt and not opts.readonly:
+            raise FormatError(f"metadata damaged beyond its mirror ({info.corrupt}); refusing "
+                              f"to mount read-write (mount -o ro serves what is provably intact)")
+        self.meta_zones = sb.meta_zones
         self.bs = dev.block_size
         self.cap = dev.zone_capacity
         self.inodes: dict[int, Inode] = {}
@@ -182,11 +191,15 @@ class Store:
         self.policies: dict[int, H.Policy] = {}
         self.policy_errors: dict[int, str] = {}
         self.now = 0
-        self.journal = J.Journal(dev, self.meta_zones, sb, self._snapshot)
-        self.journal.active = info["zone"]
-        self.journal.seq = sb["seq"]
+        self.journal = J.Journal(dev, sb, self._snapshot)
+        self.journal.resume(info)
+        self.journal.ensure_open = self._ensure_open_slot
         self.stats = {"payload_bytes": 0, "pad_bytes": 0, "gc_copied_bytes": 0, "zone_resets": 0,
-                      "zone_finishes": 0, "commits": 0, "enospc": 0, "gc_runs": 0}
+                      "zone_finishes": 0, "commits": 0, "enospc": 0, "gc_runs": 0,
+                      "checksum_errors": 0, "stale_extents": 0}
+        self.csums = ZoneChecksums()
+        self.zgen = [0] * dev.nr_zones          # reset generation of every zone
+        self._bad_pieces: set[tuple[int, int]] = set()
         self.commit_ms: list[float] = []
         self.open_lru: dict[int, None] = {}
         # per generation (stream, birth): [expected padded bytes (0 = unknown), bytes placed]
@@ -200,20 +213,35 @@ class Store:
         self._wgen = 0                    # device writes so far ...
         self._sgen = 0                    # ... of which a device flush covers this many
         self.replayed_records = 0
-        self.journal_truncated = not info["clean"]
+        self.journal_truncated = info.torn
+        self.meta_problems = list(info.problems)
+        self.meta_corrupt = info.corrupt
         # zone -> {"reason", "valid_upto", "files"}: zones a failure took out of service
         self.bad_zones: dict[int, dict] = {}
         self._capacity_stop = False
         self._load(info)
+        for z in range(self.meta_zones):       # metadata zones count against max_open too
+            if self.dev.zone(z).is_open:
+                self.open_lru[z] = None
 
     # ------------------------------------------------------------------ recovery
-    def _load(self, info: dict) -> None:
-        self._load_snapshot(info["snapshot"])
-        for rtype, payload, _ in info["records"]:
+    def _load(self, info) -> None:
+        self._load_snapshot(info.snapshot)
+        for rtype, payload in info.records:
             self._apply(rtype, payload)
             self.replayed_records += 1
-        # allocator summaries from the extent map and the device's write pointers
-        data_active = self.dev.max_active - 1 if self.dev.max_active else 0
+        # A file's size is journaled at close/fsync, its EXTENT records whenever data reach a
+        # zone (the periodic flush makes them durable): after a crash a file may have committed
+        # extents past the size last journaled.  Those bytes were written by the application
+        # (and are checksummed), so the size covers them — never live bytes nobody can read.
+        for ino in self.inodes.values():
+            if ino.extents:
+                end = ino.extents.exts[-1].end
+                if end > ino.size:
+                    ino.size = end
+        # allocator summaries from the extent map and the device's write pointers; the
+        # metadata pair holds two active zones
+        data_active = self.dev.max_active - 2 if self.dev.max_active else 0
         self.alloc = Allocator(self.dev.nr_zones, self.cap, self.meta_zones, self.opts.allocator,
                                max_active=data_active, lam=self.opts.lam,
                                hint_grid=self.opts.hint_grid, gc_reserve=self.opts.gc_reserve,
@@ -238,7 +266,8 @@ class Store:
                     self.alloc.note_write(z, zone.capacity if zone.cond == ZoneCond.FULL
                                           else zone.wp, INF, False)
                 elif zone.wp or zone.cond != ZoneCond.EMPTY:
-                    self.dev.reset(z)        # nothing live: garbage of an interrupted write
+                    self._note_reset(z)      # nothing live: garbage of an interrupted write
+                    self.dev.reset(z)
                     repaired.append(z)
                 continue
             if zone.cond != ZoneCond.FULL and any(e.zoff + e.length > zone.wp for e in exts):
@@ -269,9 +298,14 @@ class Store:
         for d in list(self.inodes.values()):
             if d.is_dir and (H.POLICY_NAME in d.entries or d.policy_src):
                 self._load_policy(d.ino, quiet=True)
-        if self.journal_truncated or self.replayed_records > 2000:
+        if info.uneven or self.journal_truncated or self.meta_problems:
+            # a torn flush, one damaged copy, or copies of unequal length: write a fresh
+            # snapshot into a free pair so every acknowledged record has two good copies again
             with self.io_lock:
-                self.journal.roll()          # start a clean log after a torn/corrupt record
+                self.journal.roll()
+        elif repaired:
+            with self.io_lock:
+                self._journal_flush(sync=True)
         self._reset_empty_zones()
 
     def _mark_bad(self, z: int, why: str, exts: list, valid_upto: int | None = None) -> None:
@@ -294,9 +328,12 @@ class Store:
                   (": " + ", ".join(files[:5]) + (" ..." if len(files) > 5 else "")) if files else "")
 
     def _load_snapshot(self, snap: bytes) -> None:
-        doc = json.loads(snap)
+        doc = R.unpack_snapshot(snap)
         self.next_ino = doc["next_ino"]
         self.now = doc.get("now", 0)
+        for z, g in doc.get("zg", {}).items():
+            self.zgen[int(z)] = g
+        self.csums.load(doc.get("cs", {}))
         for d in doc["inodes"]:
             ino = Inode(d["i"], d["m"])
             ino.set_attrs(d)
@@ -310,7 +347,8 @@ class Store:
                 self._link_entry(parent, name.encode("latin-1"), child)
 
     @staticmethod
-    def _encode_snapshot(inodes: dict, next_ino: int, now: int = 0) -> bytes:
+    def _encode_snapshot(inodes: dict, next_ino: int, now: int = 0, zgen=None,
+                         csums: ZoneChecksums | None = None) -> bytes:
         out = []
         for ino in inodes.values():
             d = ino.attrs()
@@ -319,12 +357,17 @@ class Store:
             if ino.entries:
                 d["d"] = {k.decode("latin-1"): v for k, v in ino.entries.items()}
             out.append(d)
-        return json.dumps({"next_ino": next_ino, "now": now, "inodes": out},
-                          separators=(",", ":")).encode()
+        doc = {"next_ino": next_ino, "now": now, "inodes": out}
+        if zgen is not None:
+            doc["zg"] = {str(z): g for z, g in enumerate(zgen) if g}
+        if csums is not None:
+            doc["cs"] = csums.encode()
+        return R.pack_snapshot(doc)
 
     def _snapshot(self) -> bytes:
         with self.lock:
-            return self._encode_snapshot(self.inodes, self.next_ino, self.now)
+            return self._encode_snapshot(self.inodes, self.next_ino, self.now, self.zgen,
+                                         self.csums)
 
     # ------------------------------------------------------------------ journal apply
     def _do(self, rtype: int, payload: bytes):
@@ -341,35 +384,52 @@ class Store:
         parent.next_cookie += 1
 
     def _apply(self, rtype: int, payload: bytes):
-        if rtype == J.EXTENT:
-            ino, off, zone, zoff, length, hint = J.unpack_extent(payload)
+        if rtype == R.EXTENT:
+            ino, off, zone, zgen, zoff, length, hint = R.unpack_extent(payload)
+            if zgen != self.zgen[zone]:
+                # the zone was reset after this extent was written: never map a file onto
+                # what the zone holds now
+                self.stats["stale_extents"] += 1
+                log.error("journal: extent of inode %d in zone %d generation %d, but the zone "
+                          "is at generation %d; ignored", ino, zone, zgen, self.zgen[zone])
+                return []
             inode = self.inodes[ino]
             dead = inode.extents.add(off, length, zone, zoff, hint)
             return dead
-        if rtype == J.INODE:
-            d = J.unpack_json(payload)
+        if rtype == R.CSUM:
+            zone, zgen, zoff, length, crcs = R.unpack_csum(payload)
+            if zgen == self.zgen[zone]:
+                self.csums.add(zone, zoff, length, crcs)
+            return None
+        if rtype == R.ZONE_RESET:
+            zone, gen = R.unpack_zone_reset(payload)
+            self.zgen[zone] = gen
+            self.csums.drop_zone(zone)
+            return None
+        if rtype == R.INODE:
+            d = R.unpack_json(payload)
             inode = self.inodes.get(d["i"])
             if inode is None:
                 inode = self.inodes[d["i"]] = Inode(d["i"], d["m"])
                 self.next_ino = max(self.next_ino, d["i"] + 1)
             inode.set_attrs(d)
             return inode
-        if rtype == J.DIRENT_ADD:
-            d = J.unpack_json(payload)
+        if rtype == R.DIRENT_ADD:
+            d = R.unpack_json(payload)
             parent = self.inodes[d["p"]]
             self._link_entry(parent, d["n"].encode("latin-1"), d["i"])
             parent.mtime = parent.ctime = d["t"]
             return None
-        if rtype == J.DIRENT_DEL:
-            d = J.unpack_json(payload)
+        if rtype == R.DIRENT_DEL:
+            d = R.unpack_json(payload)
             parent = self.inodes[d["p"]]
             name = d["n"].encode("latin-1")
             parent.entries.pop(name, None)
             parent.cookies.pop(name, None)
             parent.mtime = parent.ctime = d["t"]
             return None
-        if rtype == J.RENAME:
-            d = J.unpack_json(payload)
+        if rtype == R.RENAME:
+            d = R.unpack_json(payload)
             op, np_ = self.inodes[d["op"]], self.inodes[d["np"]]
             on, nn = d["on"].encode("latin-1"), d["nn"].encode("latin-1")
             ino = op.entries.pop(on)
@@ -382,25 +442,62 @@ class Store:
             op.mtime = op.ctime = np_.mtime = np_.ctime = d["t"]
             child.ctime = d["t"]
             return None
-        if rtype == J.INODE_DEL:
-            ino = J.unpack_json(payload)["i"]
+        if rtype == R.INODE_DEL:
+            ino = R.unpack_json(payload)["i"]
             inode = self.inodes.pop(ino, None)
             return inode.extents.clear() if inode is not None else []
-        if rtype == J.TRUNCATE:
-            ino, size = J.unpack_truncate(payload)
+        if rtype == R.TRUNCATE:
+            ino, size = R.unpack_truncate(payload)
             inode = self.inodes[ino]
             dead = inode.extents.truncate(size)
             inode.size = size
             return dead
-        if rtype == J.RELOCATE:
-            ino, off, length, oz, ooff, nz, noff = J.unpack_relocate(payload)
+        if rtype == R.RELOCATE:
+            ino, off, length, oz, ooff, nz, ngen, noff = R.unpack_relocate(payload)
             inode = self.inodes.get(ino)
+            if ngen != self.zgen[nz]:
+                self.stats["stale_extents"] += 1
+                return False
             return inode is not None and inode.extents.relocate(off, length, oz, ooff, nz, noff)
-        if rtype in (J.ZONE_FINISH, J.ZONE_RESET, J.SUPER, J.SNAP_BEGIN, J.SNAP_CHUNK, J.SNAP_END):
+        if rtype in (R.ZONE_FINISH, R.SUPER, R.SNAP_BEGIN, R.SNAP_CHUNK, R.SNAP_END):
             return None
         raise FsError(errno.EIO, f"unknown journal record type {rtype}")
 
     # ------------------------------------------------------------------ helpers
+    def _verified_read(self, zone: int, zoff: int, length: int, ino: int = 0,
+                       file_off: int = 0) -> bytes:
+        """Read committed bytes and check them against their CRC32C pieces; EIO on a mismatch
+        (logged once per piece with file, offset and zone; counted in ``checksum_errors``)."""
+        with self.lock:
+            span = self.csums.span(zone, zoff, length)
+        if span is None:
+            self._csum_error(zone, zoff, ino, file_off, "no checksum covers the range")
+        if not span:
+            return self._dev_read(zone, zoff, length)
+        a = ZoneChecksums.piece_range(*span[0])[0]
+        b = ZoneChecksums.piece_range(*span[-1])[1]
+        data = self._dev_read(zone, a, b - a)
+        for run, lo, hi in span:
+            bad = ZoneChecksums.bad_pieces(run, lo, hi, data, a)
+            if bad:
+                self._csum_error(zone, bad[0], ino, file_off + max(0, bad[0] - zoff),
+                                 "checksum mismatch")
+        if a == zoff and b - a == length:
+            return data
+        return data[zoff - a:zoff - a + length]
+
+    def _csum_error(self, zone: int, zoff: int, ino: int, file_off: int, what: str) -> None:
+        with self.lock:
+            self.stats["checksum_errors"] += 1
+            key = (zone, zoff)
+            first = key not in self._bad_pieces
+            self._bad_pieces.add(key)
+            path = self.path_of(ino) if ino in self.inodes else f"inode {ino}"
+        if first:
+            log.error("%s: file %s offset %d, zone %d offset %d: returning EIO", what, path,
+                      file_off, zone, zoff)
+        raise FsError(errno.EIO, f"{what} in zone {zone}")
+
     def _dev_read(self, zone: int, zoff: int, length: int) -> bytes:
         """Read committed bytes; EIO for a range a zone failure made untrustworthy."""
         bad = self.bad_zones.get(zone)
@@ -433,7 +530,7 @@ class Store:
             raise FsError(errno.ENAMETOOLONG)
 
     def _save_inode(self, inode: Inode) -> None:
-        self._do(J.INODE, J.pack_json(inode.attrs()))
+        self._do(R.INODE, R.pack_json(inode.attrs()))
 
     def _dead(self, pieces) -> None:
         """Account superseded/freed bytes; queue zones that hold no live data for reset."""
@@ -476,7 +573,7 @@ class Store:
                     name=name, size=len(target))
         # directory hint xattrs are inherited by new children (runtime tags the gen dir)
         self._save_inode(ino)
-        self._do(J.DIRENT_ADD, J.pack_json({"p": parent.ino, "n": name.decode("latin-1"),
+        self._do(R.DIRENT_ADD, R.pack_json({"p": parent.ino, "n": name.decode("latin-1"),
                                             "i": ino.ino, "t": t}))
         if stat.S_ISDIR(mode):
             parent.nlink += 1
@@ -523,7 +620,7 @@ class Store:
             inode.nlink += 1
             inode.ctime = t
             self._save_inode(inode)
-            self._do(J.DIRENT_ADD, J.pack_json({"p": p.ino, "n": new_name.decode("latin-1"),
+            self._do(R.DIRENT_ADD, R.pack_json({"p": p.ino, "n": new_name.decode("latin-1"),
                                                 "i": ino, "t": t}))
             return inode
 
@@ -541,7 +638,7 @@ class Store:
         inode.wbuf.clear()
         if inode.is_dir:
             self.policies.pop(inode.ino, None)
-        dead = self._do(J.INODE_DEL, J.pack_json({"i": inode.ino}))
+        dead = self._do(R.INODE_DEL, R.pack_json({"i": inode.ino}))
         self._dead(dead)
 
     def _child(self, parent: int, name: bytes) -> tuple[Inode, Inode]:
@@ -555,7 +652,7 @@ class Store:
         return p, self.inodes[ino]
 
     def _del_entry(self, p: Inode, name: bytes) -> None:
-        self._do(J.DIRENT_DEL, J.pack_json({"p": p.ino, "n": name.decode("latin-1"),
+        self._do(R.DIRENT_DEL, R.pack_json({"p": p.ino, "n": name.decode("latin-1"),
                                             "t": now_ns()}))
 
     def unlink(self, parent: int, name: bytes) -> None:
@@ -630,7 +727,7 @@ class Store:
                 except H.HintError as e:
                     log.error("rename onto %s/.retainz refused: %s", self.path_of(np_.ino), e)
                     raise FsError(errno.EINVAL, str(e)) from None
-            self._do(J.RENAME, J.pack_json({"op": op.ino, "on": old_name.decode("latin-1"),
+            self._do(R.RENAME, R.pack_json({"op": op.ino, "on": old_name.decode("latin-1"),
                                             "np": np_.ino, "nn": new_name.decode("latin-1"),
                                             "t": now_ns()}))
             if moving.is_dir and op.ino != np_.ino:
@@ -809,7 +906,7 @@ class Store:
     def _read_all(self, inode: Inode) -> bytes:
         out = bytearray(inode.size)
         for dst, zone, zoff, length in inode.extents.lookup(0, inode.size):
-            out[dst:dst + length] = self._dev_read(zone, zoff, length)
+            out[dst:dst + length] = self._verified_read(zone, zoff, length, inode.ino, dst)
         if inode.wbuf:
             o = inode.wbuf.off
             out[o:o + len(inode.wbuf)] = inode.wbuf.slice(o, inode.wbuf.end)
@@ -980,10 +1077,10 @@ class Store:
                 self._readers += 1
         try:
             if len(segs) == 1 and segs[0][0] == 0 and segs[0][3] == size and overlay is None:
-                return self._dev_read(segs[0][1], segs[0][2], size)
+                return self._verified_read(segs[0][1], segs[0][2], size, ino, off)
             out = bytearray(size)
             for dst, zone, zoff, length in segs:
-                out[dst:dst + length] = self._dev_read(zone, zoff, length)
+                out[dst:dst + length] = self._verified_read(zone, zoff, length, ino, off + dst)
         finally:
             with self._readers_cv:
                 self._readers -= 1
@@ -1002,7 +1099,7 @@ class Store:
                     raise FsError(errno.EISDIR if inode.is_dir else errno.EINVAL)
                 if size == inode.size:
                     return
-                dead = self._do(J.TRUNCATE, J.pack_truncate(ino, size))
+                dead = self._do(R.TRUNCATE, R.pack_truncate(ino, size))
                 self._dead(dead)
                 if size == 0:       # O_TRUNC rewrite: new contents, resolve the hint again
                     inode.hint = None
@@ -1109,7 +1206,7 @@ class Store:
         with self.lock:
             self.alloc.note_finish(z)
             self.stats["zone_finishes"] += 1
-            self._do(J.ZONE_FINISH, J.pack_zone(z))
+            self._do(R.ZONE_FINISH, R.pack_zone(z))
 
     def _write_chunk(self, ino: int, off: int, data: Chunks, hint: H.Hint,
                      allow_reserve: bool = False) -> None:
@@ -1127,10 +1224,13 @@ class Store:
                 chunk.append(bytes(nbytes - payload))
             self._ensure_open_slot(zone)
             zoff = self.dev.zone(zone).wp
+            crcs = crcs_of(chunk, nbytes)         # on the buffers in hand, before the write
             self.dev.write(zone, zoff, chunk)
             self._wgen += 1
             with self.lock:
                 inode = self.inodes.get(ino)
+                zg = self.zgen[zone]
+                self._do(R.CSUM, R.pack_csum(zone, zg, zoff, nbytes, crcs))
                 self.alloc.note_write(zone, payload, hint.reclaim, True)
                 if nbytes > payload:
                     self.alloc.note_write(zone, nbytes - payload, hint.reclaim, False)
@@ -1139,8 +1239,8 @@ class Store:
                 if inode is None:      # deleted while we wrote: the bytes are dead already
                     self._dead([(zone, payload, hint.reclaim)])
                 else:
-                    dead = self._do(J.EXTENT, J.pack_extent(ino, off + pos, zone, zoff, payload,
-                                                            hint.reclaim))
+                    dead = self._do(R.EXTENT, R.pack_extent(ino, off + pos, zone, zg, zoff,
+                                                            payload, hint.reclaim))
                     self._dead(dead)
             pos += payload
 
@@ -1194,15 +1294,10 @@ class Store:
             plan = self.journal.prepare()
             if plan is None and not sync:
                 return
-        if plan is not None:
-            nxt = self.journal.active if plan[0] == "append" else \
-                (self.journal.active + 1) % self.meta_zones
-            self._ensure_open_slot(nxt)
         g = self._wgen = self._wgen + (plan is not None)
         self.journal.commit(plan, sync=sync)
         if sync:
             self._sgen = max(self._sgen, g)
-        self.open_lru.pop(self.journal.active, None)
 
     def _device_flush(self) -> None:
         g = self._wgen
@@ -1286,7 +1381,10 @@ class Store:
                 self._pending_resets = set()
             if not zones:
                 return
-            self._journal_flush(sync=True)
+            with self.lock:
+                for z in zones:
+                    self._note_reset(z)
+            self._journal_flush(sync=True)       # deletions + new generations durable first
             with self._readers_cv:
                 while self._readers:
                     self._readers_cv.wait()
@@ -1299,6 +1397,14 @@ class Store:
                     self.bad_zones.pop(z, None)
                     self.stats["zone_resets"] += 1
                 self._capacity_stop = False
+
+    def _note_reset(self, z: int) -> None:
+        """Zone ``z`` is about to be reset (lock held): its generation moves on, so no extent
+        written before can ever be mapped onto what the zone holds next."""
+        self.zgen[z] += 1
+        self.csums.drop_zone(z)
+        self._bad_pieces = {bp for bp in self._bad_pieces if bp[0] != z}
+        self._do(R.ZONE_RESET, R.pack_zone_reset(z, self.zgen[z]))
 
     def _resettable(self, z: int) -> bool:
         """A failed (READONLY/OFFLINE) zone cannot be reset; one whose write pointer was
@@ -1321,18 +1427,20 @@ class Store:
                 self.stats["gc_runs"] += 1
             ok = True
             for ino, off, length, zoff, hint, ih in moves:
-                data = self.dev.read(victim, zoff, length)
                 try:
+                    # verified before it is written elsewhere: GC never launders bad bytes
+                    data = self._verified_read(victim, zoff, length, ino, off)
                     self._relocate(ino, off, length, victim, zoff, data, hint, ih)
                 except FsError:
                     ok = False
                     break
             if not ok:
                 continue
-            self._journal_flush(sync=True)
             with self.lock:
                 if self.alloc.summary(victim)["L"] > 0:
                     continue
+                self._note_reset(victim)
+            self._journal_flush(sync=True)
             with self._readers_cv:
                 while self._readers:
                     self._readers_cv.wait()
@@ -1375,15 +1483,18 @@ class Store:
                 chunk = bytes(chunk) + bytes(nbytes - payload)
             self._ensure_open_slot(zone)
             zoff = self.dev.zone(zone).wp
+            crcs = crcs_of([chunk], nbytes)
             self.dev.write(zone, zoff, chunk)
             self._wgen += 1
             with self.lock:
+                zg = self.zgen[zone]
+                self._do(R.CSUM, R.pack_csum(zone, zg, zoff, nbytes, crcs))
                 self.alloc.note_write(zone, payload, h.reclaim, True)
                 if nbytes > payload:
                     self.alloc.note_write(zone, nbytes - payload, h.reclaim, False)
                 self.stats["gc_copied_bytes"] += nbytes
-                if self._do(J.RELOCATE, J.pack_relocate(ino, off + pos, payload, victim,
-                                                        vzoff + pos, zone, zoff)):
+                if self._do(R.RELOCATE, R.pack_relocate(ino, off + pos, payload, victim,
+                                                        vzoff + pos, zone, zg, zoff)):
                     self.alloc.note_dead(victim, payload, hint)
                 else:
                     self._dead([(zone, payload, hint)])
@@ -1429,7 +1540,7 @@ class Store:
             a = self.alloc.stats()
             return {
                 "allocator": self.opts.allocator,
-                "uuid": self.sb.get("uuid"),
+                "uuid": self.sb.uuid,
                 "zone_size": self.dev.zone_size, "zone_capacity": self.cap,
                 "nr_zones": self.dev.nr_zones, "meta_zones": self.meta_zones,
                 "max_open": self.dev.max_open, "max_active": self.dev.max_active,
@@ -1456,6 +1567,11 @@ class Store:
                                      if p.slow},
                                   **{self.path_of(k): v for k, v in self.policy_errors.items()}},
                 "journal_truncated": self.journal_truncated,
+                "checksum_errors": st["checksum_errors"],
+                "stale_extents": st["stale_extents"],
+                "metadata_problems": list(self.meta_problems),
+                "metadata_corrupt": self.meta_corrupt,
+                "format_version": self.sb.version,
             }
 
     def zone_table(self) -> list[dict]:
@@ -1483,6 +1599,12 @@ class Store:
                 for e in i.extents:
                     if e.zoff + e.length > self.cap:
                         problems.append(f"inode {i.ino}: extent {e!r} beyond zone capacity")
+                    if e.end > i.size:
+                        problems.append(f"inode {i.ino}: extent {e!r} past the end of the file "
+                                        f"({i.size} bytes)")
+                    span = self.csums.span(e.zone, e.zoff, e.length)
+                    if span is None:
+                        problems.append(f"inode {i.ino}: extent {e!r} has no data checksum")
                 if i.is_dir:
                     for name, child in i.entries.items():
                         if child not in self.inodes:

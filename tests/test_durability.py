@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import MKFS, MOUNT, RETAINZFS, daemon_pids, is_mounted, run, wait_for
+from conftest import MKFS, MOUNT, RETAINZFS, daemon_pids, image_locked, is_mounted, run, wait_for
 
 MiB = 1 << 20
 
@@ -257,20 +257,36 @@ def test_latest_k_loop_resets_zones(mounted):
 
 # ---------------------------------------------------------------------------- corrupt journal
 
-def _last_record(img):
-    """(zone, offset in zone, length) of the last journal record, read via the device layer."""
+def _meta_frames(img):
+    """[(seq, pair, offset)] of the metadata frames, oldest first, and the image geometry."""
     from retainzfs import _journal as J
     from retainzfs.device import open_device
     dev = open_device(str(img))
     try:
-        info = J.Journal.find_latest(dev, 3)
-        rtype, payload, off = info["records"][-1]
-        return info["zone"], off, len(payload) + J.HEADER_SIZE, rtype, dev._data_off, dev.zone_size
+        sb = J.probe_superblock(dev)
+        out = []
+        for pair in range(sb.meta_zones // 2):
+            frames, _, _ = J.read_pair(dev, pair, sb.fsid, dev.block_size)
+            out += [(seq, pair, off) for seq, _, off in frames]
+        return sorted(out), dev._data_off, dev.zone_size
     finally:
         dev.close()
 
 
-def test_corrupt_journal_record(mounted):
+def _flip_meta(img, zones, off):
+    frames, data_off, zsize = _meta_frames(img)
+    with open(img, "r+b") as f:
+        for z in zones:
+            f.seek(data_off + z * zsize + off)
+            b = f.read(1)
+            f.seek(data_off + z * zsize + off)
+            f.write(bytes([b[0] ^ 0x5A]))
+
+
+def test_corrupt_journal_record(mounted, tmp_path):
+    """Format v2: one damaged copy is recovered from the mirror; the last flush damaged in both
+    copies is a torn tail (never acknowledged); damage in both copies with valid frames after it
+    refuses a read-write mount with one line, and -o ro serves what is intact."""
     files = {}
     for i in range(20):
         data = random.Random(i).randbytes(random.Random(i).randrange(1000, 3 * MiB))
@@ -280,33 +296,62 @@ def test_corrupt_journal_record(mounted):
         files[f"f{i}"] = sha_bytes(data)
     (mounted / "dir").mkdir()
     os.sync()
-    os.setxattr(mounted.path, "user.last", b"the last record")     # one INODE record, last
+    os.setxattr(mounted.path, "user.last", b"the last record")     # in the last flush
     mounted.umount()
-    zone, off, length, rtype, data_off, zsize = _last_record(mounted.img)
-    pos = data_off + zone * zsize + off + length // 2
-    with open(mounted.img, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x5A]))
+    frames, _, _ = _meta_frames(mounted.img)
+    seq, pair, off = frames[-1]
+    # (1) one copy of the last frame damaged: nothing lost
+    _flip_meta(mounted.img, [2 * pair], off + 40)
     rc, out = fsck(mounted.img)
-    assert "truncated" in out and "Traceback" not in out
-    mounted.mount()                                      # mount succeeds
+    assert rc != 0 and "mirror" in out and "Traceback" not in out, out
+    mounted.mount()
     st = mounted.status()
-    assert st["journal_truncated"] is True
-    assert "user.last" not in os.listxattr(mounted.path)  # the corrupt record was dropped ...
-    for name, digest in files.items():                   # ... and nothing before it
+    assert st["metadata_problems"] and not st["journal_truncated"]
+    assert os.getxattr(mounted.path, "user.last") == b"the last record"
+    for name, digest in files.items():
+        assert sha(mounted / name) == digest, name
+    (mounted / "post").write_bytes(b"post")              # a last flush of plain records
+    mounted.umount()
+    assert_fsck_clean(mounted.img)                       # the mount rolled: two good copies
+    # (2) both copies of the last frame damaged: a torn tail, dropped
+    frames, _, _ = _meta_frames(mounted.img)
+    seq, pair, off = frames[-1]
+    _flip_meta(mounted.img, [2 * pair, 2 * pair + 1], off + 40)
+    mounted.mount()
+    assert mounted.status()["journal_truncated"] is True
+    for name, digest in files.items():
         assert sha(mounted / name) == digest, name
     assert (mounted / "dir").is_dir()
-    # the filesystem keeps working and the next mount sees a clean journal
     (mounted / "after").write_bytes(b"after")
     mounted.remount()
     assert (mounted / "after").read_bytes() == b"after"
     assert mounted.status()["journal_truncated"] is False
-    for name, digest in files.items():
-        assert sha(mounted / name) == digest, name
+    for i in range(3):
+        (mounted / f"late{i}").write_bytes(b"late")
+        os.sync()
+        time.sleep(1.2)                                  # separate flushes
     mounted.umount()
-    assert_fsck_clean(mounted.img)
+    # (3) both copies of a frame damaged, valid frames after it: refused, -o ro works
+    frames, _, _ = _meta_frames(mounted.img)
+    seq, pair, off = frames[-3]
+    _flip_meta(mounted.img, [2 * pair, 2 * pair + 1], off + 40)
+    rc, out = fsck(mounted.img)
+    assert rc != 0
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    err = one_line_error(run(MOUNT, mounted.img, mnt, check=False), "refusing to mount read-write")
+    assert "-o ro" in err
+    p = run(MOUNT, mounted.img, mnt, "-o", f"ro,log={tmp_path / 'ro.log'}", check=False)
+    assert p.returncode == 0, p.stderr
+    try:
+        for name, digest in files.items():
+            assert sha(mnt / name) == digest, name
+        with pytest.raises(OSError) as ei:
+            (mnt / "new").write_bytes(b"x")
+        assert ei.value.errno == errno.EROFS
+    finally:
+        run("umount", mnt)
+        wait_for(lambda: not image_locked(mounted.img), 20)
 
 
 # ---------------------------------------------------------------------------- ENOSPC
@@ -663,11 +708,12 @@ def test_corrupt_superblock_is_reported_not_reformatted(make_image, tmp_path):
     img = make_image(size="64M")
     from retainzfs.device import _image_layout
     _, data_off = _image_layout(16, 4 * MiB)
-    with open(img, "r+b") as f:                       # inside the SUPER record of zone 0
-        f.seek(data_off + 40)
-        b = f.read(1)
-        f.seek(data_off + 40)
-        f.write(bytes([b[0] ^ 0x01]))
+    with open(img, "r+b") as f:               # inside the SUPER frame, in both copies
+        for z in (0, 1):
+            f.seek(data_off + z * 4 * MiB + 40)
+            b = f.read(1)
+            f.seek(data_off + z * 4 * MiB + 40)
+            f.write(bytes([b[0] ^ 0x01]))
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     for argv in ([MOUNT, img, mnt], [RETAINZFS, "fsck", img], [RETAINZFS, "status", img]):

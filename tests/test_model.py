@@ -72,6 +72,8 @@ class _Base(RuleBasedStateMachine):
             pos += n
         self.b_write(name, pieces, fsync)
         for p, d in pieces:
+            if not d:
+                continue                      # POSIX: a 0-byte write does not extend
             if p > len(cur):
                 cur.extend(bytes(p - len(cur)))
             cur[p:p + len(d)] = d

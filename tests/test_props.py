@@ -14,6 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from retainzfs import _journal as J
+from retainzfs import records as R
+from retainzfs.superblock import Superblock
 from retainzfs import writebuf as W
 from retainzfs.device import IOV_MAX, create_image, open_device
 
@@ -24,88 +26,141 @@ SLOW = settings(max_examples=60, deadline=None,
 
 
 # ------------------------------------------------------------------ journal framing
+FSID = 0x1234
+
+
 def _lengths_near_block():
-    """Payload lengths whose framed size ends a batch at every offset of a block."""
-    near = [0, 1, 2, 7, 8, 9, 100, BS - J.HEADER_SIZE - 8, BS - J.HEADER_SIZE - 1,
-            BS - J.HEADER_SIZE, BS - J.HEADER_SIZE + 1, BS - 1, BS, BS + 1, 3 * BS + 5]
+    """Body lengths whose frame ends at every offset of a block (padding 0..BS-1)."""
+    h = J.FRAME_HEADER + J.REC_HEADER
+    near = [0, 1, 2, 7, 8, 9, 100, BS - h - 8, BS - h - 1, BS - h, BS - h + 1, BS - 1, BS,
+            BS + 1, 3 * BS + 5]
     return st.one_of(st.sampled_from(near), st.integers(0, 3 * BS))
 
 
-def _flush(records: list[tuple[int, bytes]]) -> bytes:
-    """One journal flush: records framed back to back, zero padded to the block size."""
-    data = b"".join(J.encode_record(t, p) for t, p in records)
-    return data + bytes(-len(data) % BS)
+def _frames(batches, rnd):
+    """Frames of consecutive flushes (seq 1, 2, ...) and the records they carry."""
+    buf, want = bytearray(), []
+    for seq, batch in enumerate(batches, 1):
+        recs = [(t, rnd.randbytes(n)) for t, n in batch]
+        want.append(recs)
+        body = b"".join(J.encode_record(t, p) for t, p in recs)
+        frame = J.encode_frame(seq, FSID, body, BS)
+        assert len(frame) % BS == 0 and len(frame) == J.frame_size(len(body), BS)
+        buf += frame
+    return bytes(buf), want
 
 
-@given(st.lists(st.lists(st.tuples(st.sampled_from([J.INODE, J.EXTENT, J.DIRENT_ADD, J.RENAME]),
+def _parse_all(buf):
+    out, pos = [], 0
+    while pos < len(buf):
+        f = J.parse_frame(buf, pos, BS, FSID)
+        if f is None:
+            break
+        out.append((f[0], J.decode_records(f[1])))
+        pos += f[2] * BS
+    return out, pos
+
+
+@given(st.lists(st.lists(st.tuples(st.sampled_from([R.INODE, R.EXTENT, R.DIRENT_ADD, R.RENAME]),
                                    _lengths_near_block()), min_size=1, max_size=6),
                 min_size=1, max_size=8), st.randoms(use_true_random=False))
 @settings(max_examples=300, deadline=None)
-def test_journal_flushes_decode_exactly(batches, rnd):
-    """Every record of every flush comes back, whatever the padding length (0..BS-1)."""
-    want, buf = [], bytearray()
-    for batch in batches:
-        recs = [(t, rnd.randbytes(n)) for t, n in batch]
-        want += recs
-        buf += _flush(recs)
-    got, end, clean = J.decode_records(bytes(buf), 0, BS)
-    assert clean and end == len(buf)
-    assert [(t, bytes(p)) for t, p, _ in got] == want
+def test_frames_decode_exactly(batches, rnd):
+    """Every record of every flush comes back, in order, whatever the padding length."""
+    buf, want = _frames(batches, rnd)
+    got, end = _parse_all(buf)
+    assert end == len(buf)
+    assert [seq for seq, _ in got] == list(range(1, len(batches) + 1))
+    assert [[(t, bytes(p)) for t, p in recs] for _, recs in got] == want
 
 
 @pytest.mark.parametrize("pad", range(0, 64))
 def test_every_short_padding_length(pad):
-    """Batches whose padding is exactly ``pad`` bytes (and BS - pad): the 1..8 byte cases
-    that were read as a corrupt record."""
-    for target in (pad, BS - pad if pad else 0):
-        # one record of framed length BS - target (or 2*BS - target when too short)
-        framed = BS - target if BS - target >= J.HEADER_SIZE else 2 * BS - target
-        p1 = bytes(framed - J.HEADER_SIZE)
-        batch = _flush([(J.INODE, p1)])
-        assert len(batch) - len(J.encode_record(J.INODE, p1)) == target % BS
-        buf = batch + _flush([(J.DIRENT_ADD, b"sentinel")])
-        got, end, clean = J.decode_records(buf, 0, BS)
-        assert clean and [bytes(p) for _, p, _ in got] == [p1, b"sentinel"]
+    """Frames whose padding is exactly ``pad`` and BS - pad bytes: the 1..8 byte cases that
+    format v1 read as a corrupt record."""
+    for target in {pad, (BS - pad) % BS}:
+        n = (BS - target - J.FRAME_HEADER - J.REC_HEADER) % BS
+        body = J.encode_record(R.INODE, bytes(n))
+        f1 = J.encode_frame(1, FSID, body, BS)
+        assert len(f1) - J.FRAME_HEADER - len(body) == target
+        buf = f1 + J.encode_frame(2, FSID, J.encode_record(R.DIRENT_ADD, b"sentinel"), BS)
+        got, end = _parse_all(buf)
+        assert end == len(buf) and [recs[0][1] for _, recs in got] == [bytes(n), b"sentinel"]
 
 
 @given(st.lists(_lengths_near_block(), min_size=2, max_size=6), st.data())
-@settings(max_examples=200, deadline=None)
-def test_journal_damage_is_never_misread(lengths, data):
-    """A flipped byte inside a record stops decoding at or before that record: no record is
-    ever returned with content other than what was written."""
-    recs = [(J.INODE, bytes([i + 1]) * n) for i, n in enumerate(lengths)]
-    buf = bytearray(_flush(recs))
-    framed_end = sum(J.HEADER_SIZE + n for n in lengths)
-    pos = data.draw(st.integers(0, framed_end - 1))
-    buf[pos] ^= data.draw(st.integers(1, 255))
-    got, end, clean = J.decode_records(bytes(buf), 0, BS)
-    for (t, p, off), (wt, wp) in zip(got, recs):
-        assert (t, bytes(p)) == (wt, wp)
-    starts = [sum(J.HEADER_SIZE + n for n in lengths[:i]) for i in range(len(lengths))]
-    hit = max(i for i, s in enumerate(starts) if s <= pos)
-    assert len(got) <= hit and not clean          # CRC32C catches every single-byte error
+@settings(max_examples=300, deadline=None)
+def test_any_damaged_byte_is_detected(lengths, data):
+    """One flipped byte anywhere in a frame — header, body or padding — makes exactly that
+    frame unreadable; the frames before it are intact and the reader finds the ones after."""
+    rnd = random.Random(len(lengths))
+    buf, want = _frames([[(R.INODE, n)] for n in lengths], rnd)
+    starts, pos = [], 0
+    while pos < len(buf):
+        starts.append(pos)
+        pos += J.parse_frame(buf, pos, BS, FSID)[2] * BS
+    bad = bytearray(buf)
+    at = data.draw(st.integers(0, len(buf) - 1))
+    bad[at] ^= data.draw(st.integers(1, 255))
+    hit = max(i for i, s0 in enumerate(starts) if s0 <= at)
+    for i, s0 in enumerate(starts):
+        f = J.parse_frame(bytes(bad), s0, BS, FSID)
+        assert (f is None) == (i == hit), (i, hit)
+
+
+@given(st.integers(1, 6), st.data())
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_pair_reader_uses_the_good_copy(tmp_path_factory, nframes, data):
+    """Both zones of a pair hold the frames; damage in one copy anywhere is read past."""
+    path = str(tmp_path_factory.mktemp("pair") / "p.zns")
+    dev = create_image(path, 32 * MiB, 4 * MiB, force=True)
+    try:
+        rnd = random.Random(nframes)
+        buf, want = _frames([[(R.INODE, rnd.randrange(1, 3 * BS))] for _ in range(nframes)], rnd)
+        dev.write(0, 0, buf)
+        dev.write(1, 0, buf)
+        copy = data.draw(st.integers(0, 1))
+        at = data.draw(st.integers(0, len(buf) - 1))
+        dev.close()
+        with open(path, "r+b") as f:
+            d = open_device(path)
+            pos = d._data_off + copy * d.zone_size + at
+            d.close()
+            f.seek(pos)
+            b = f.read(1)
+            f.seek(pos)
+            f.write(bytes([b[0] ^ 0x80]))
+        dev = open_device(path)
+        frames, problems, damage = J.read_pair(dev, 0, FSID, BS)
+        assert damage == [] and [s0 for s0, _, _ in frames] == list(range(1, nframes + 1))
+        assert [J.decode_records(body)[0][1] for _, body, _ in frames] == \
+            [recs[0][1] for recs in want]
+    finally:
+        dev.close()
 
 
 # ------------------------------------------------------------------ snapshot chunking
-@pytest.mark.parametrize("n", [0, 1, J.SNAP_CHUNK_SIZE - 1, J.SNAP_CHUNK_SIZE,
-                               J.SNAP_CHUNK_SIZE + 1, 2 * J.SNAP_CHUNK_SIZE,
-                               2 * J.SNAP_CHUNK_SIZE + J.HEADER_SIZE + 3,
-                               3 * J.SNAP_CHUNK_SIZE - 4096])
+@pytest.mark.parametrize("n", [0, 1, R.SNAP_CHUNK_SIZE - 1, R.SNAP_CHUNK_SIZE,
+                               R.SNAP_CHUNK_SIZE + 1, 2 * R.SNAP_CHUNK_SIZE,
+                               2 * R.SNAP_CHUNK_SIZE + J.REC_HEADER + 3,
+                               3 * R.SNAP_CHUNK_SIZE - 4096, 5 * R.SNAP_CHUNK_SIZE + 7])
 def test_snapshot_chunks_roundtrip(tmp_path, n):
+    """Snapshots of sizes around the chunk, spanning zone pairs, read back exactly."""
     dev = create_image(str(tmp_path / "s.zns"), 64 * MiB, 4 * MiB)
     try:
         snap = random.Random(n).randbytes(n)
-        sb = {"magic": J.MAGIC, "version": J.FORMAT_VERSION, "seq": 1}
-        jr = J.Journal(dev, 3, sb, lambda: snap)
+        sb = Superblock.new(dev, 8, "retainz", 1)
+        jr = J.Journal(dev, sb, lambda: snap)
         jr.format()
-        jr.append(J.INODE, b"after")
+        jr.append(R.INODE, b"after")
         jr.flush()
-        info = J.Journal.read_zone(dev, 0)
-        assert info["clean"] and info["snapshot"] == snap
-        assert [bytes(p) for _, p, _ in info["records"]] == [b"after"]
-        jr.roll()                                         # the same image in the next zone
-        info = J.Journal.find_latest(dev, 3)
-        assert info["zone"] == 1 and info["snapshot"] == snap
+        st_ = J.load(dev, sb)
+        assert st_.snapshot == snap and not st_.corrupt and not st_.torn
+        assert [bytes(p) for _, p in st_.records] == [b"after"]
+        jr.roll()                                         # the same image in the next pairs
+        st_ = J.load(dev, sb)
+        assert st_.snapshot == snap and st_.records == [] and st_.live[0] != 0
     finally:
         dev.close()
 

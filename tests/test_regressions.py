@@ -418,25 +418,47 @@ def test_capacity_stop_clears_after_space_freed(make_image, mount_image):
 
 # ------------------------------------------------------------------ 9. fsck honesty
 def test_fsck_fails_when_replay_would_stop_early(mounted):
-    from retainzfs import _journal as J
-    from retainzfs.device import open_device
-    for i in range(5):
+    """Damage in both copies of a frame in the middle of the log, and a torn last flush: fsck
+    exits non-zero for each (and for a single repaired copy too)."""
+    from test_durability import _flip_meta, _meta_frames
+    for i in range(4):
         (mounted / f"d{i}").mkdir()
         os.sync()
-    os.setxattr(mounted.path, "user.after", b"1")
+        time.sleep(1.2)
     mounted.umount()
-    dev = open_device(str(mounted.img))
-    try:
-        info = J.Journal.find_latest(dev, 3)
-        _, payload, off = info["records"][1]            # a record with more after it
-        pos = dev._data_off + info["zone"] * dev.zone_size + off + 10
-    finally:
-        dev.close()
-    with open(mounted.img, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0xFF]))
+    assert fsck(mounted.img).returncode == 0
+    frames, _, _ = _meta_frames(mounted.img)
+    seq, pair, off = frames[-1]
+    _flip_meta(mounted.img, [2 * pair, 2 * pair + 1], off + 40)     # torn tail
     p = fsck(mounted.img)
-    assert p.returncode != 0, p.stdout
-    assert "journal" in p.stdout
+    assert p.returncode != 0 and "torn" in p.stdout, p.stdout
+    seq, pair, off = frames[-3]
+    _flip_meta(mounted.img, [2 * pair, 2 * pair + 1], off + 40)     # middle: corrupt
+    p = fsck(mounted.img)
+    assert p.returncode != 0 and "missing" in p.stdout + p.stderr or "damaged" in p.stdout, p.stdout
+
+
+# ------------------------------------------------------------------ found by the fault campaign
+def test_crash_with_extents_past_the_journaled_size(mounted):
+    """kill -9 while a file is open: its EXTENT records were durable (periodic flush), its
+    size (journaled at close/fsync) was not — the size must cover them, never live bytes that
+    nobody can read."""
+    data = os.urandom(5 * MiB)
+    fd = os.open(mounted / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)                               # 4 MiB go to a zone in the background
+        time.sleep(2.5)                                  # > 1 s: the journal flush ran
+        mounted.kill()
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    run("fusermount3", "-uz", mounted.path, check=False)
+    p = fsck(mounted.img)
+    assert p.returncode == 0, p.stdout
+    mounted.mount()
+    size = os.path.getsize(mounted / "f")
+    st = mounted.status()
+    assert st["live_bytes"] == size, (st["live_bytes"], size)
+    assert (mounted / "f").read_bytes() == data[:size]

@@ -11,6 +11,7 @@ import pytest
 from retainzfs import _journal as J
 from retainzfs.device import create_image, open_device
 from retainzfs.store import FsError, Store, StoreOptions
+from retainzfs.superblock import FormatError
 
 MiB = 1 << 20
 
@@ -177,33 +178,71 @@ def test_gc_relocates_and_keeps_data(tmp_path):
     dev.close()
 
 
-def test_corrupt_record_ends_replay(tmp_path):
+def _frames(dev, sb):
+    """[(seq, pair, offset)] of every metadata frame, oldest first."""
+    out = []
+    for pair in range(sb.meta_zones // 2):
+        frames, _, _ = J.read_pair(dev, pair, sb.fsid, dev.block_size)
+        out += [(seq, pair, off) for seq, _, off in frames]
+    return sorted(out)
+
+
+def _flip(path, zone, off):
+    d = open_device(path)
+    pos = d._data_off + zone * d.zone_size + off
+    d.close()
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_one_damaged_copy_is_recovered_from_the_mirror(tmp_path):
     path, dev, s = fresh(tmp_path)
     a = put(s, 1, b"a", b"first", durable=True)
-    s.sync()
-    info = J.Journal.find_latest(dev, 3)
-    zone, end = info["zone"], info["end"]
+    b = put(s, 1, b"b", b"second", durable=True)
+    sb = s.sb
+    s.close()
+    for seq, pair, off in _frames(dev, sb):        # every frame, in one copy or the other
+        dev.close()
+        _flip(path, 2 * pair + (seq % 2), off + 40)
+        dev = open_device(path)
+    s = Store(dev)
+    assert s.meta_problems and not s.meta_corrupt
+    assert read_all(s, a) == b"first" and read_all(s, b) == b"second"
+    assert s.check() == []
+    dev, s = reopen(path, dev, s)                   # the mount rolled: two good copies again
+    assert s.meta_problems == [] and read_all(s, b) == b"second"
+    dev.close()
+
+
+def test_torn_last_flush_and_damage_in_the_middle(tmp_path):
+    path, dev, s = fresh(tmp_path)
+    a = put(s, 1, b"a", b"first", durable=True)
+    sb = s.sb
     put(s, 1, b"b", b"second", durable=True)
     s.close()
+    last = _frames(dev, sb)[-1]
     dev.close()
-    # flip a byte inside the first record after `end` (the records of "b")
-    with open(path, "r+b") as f:
-        d = open_device.__globals__["ImageZonedDevice"](path)
-        off = d._data_off + zone * d.zone_size + end + 12
-        d.close()
-        f.seek(off)
-        byte = f.read(1)
-        f.seek(off)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    for z in (2 * last[1], 2 * last[1] + 1):        # the last flush, both copies: torn
+        _flip(path, z, last[2] + 40)
     dev = open_device(path)
     s = Store(dev)
-    assert s.journal_truncated
+    assert s.journal_truncated and not s.meta_corrupt
     assert read_all(s, a) == b"first"
-    assert b"b" not in s.root().entries
     assert s.check() == []
-    # the log restarted cleanly: new records survive another remount
     put(s, 1, b"c", b"third", durable=True)
-    dev, s = reopen(path, dev, s)
-    assert read_all(s, s.lookup(1, b"c").ino) == b"third"
-    assert not s.journal_truncated
+    put(s, 1, b"d", b"fourth", durable=True)
+    s.close()
+    frames = _frames(dev, sb)
+    mid = frames[-2]                                # valid frames follow it
+    dev.close()
+    for z in (2 * mid[1], 2 * mid[1] + 1):
+        _flip(path, z, mid[2] + 40)
+    dev = open_device(path)
+    with pytest.raises(FormatError, match="refusing to mount read-write"):
+        Store(dev)
+    s = Store(dev, StoreOptions(readonly=True))      # what is intact stays readable
+    assert s.meta_corrupt and read_all(s, a) == b"first"
     dev.close()

@@ -44,16 +44,20 @@ def is_retainzfs_mount(path: str) -> bool:
         return False
 
 
-def no_superblock_message(dev, target: str, meta_zones: int = 3) -> str:
+def no_superblock_message(dev, target: str, meta_zones: int = 4) -> str:
     """Why ``probe_superblock`` found nothing: never formatted, or formatted and corrupt.
 
     Suggesting mkfs for a filesystem whose superblock record fails its checksum would invite
     the user to destroy recoverable data, so the two cases get different messages.
     """
     marker = b'"magic":"retainzfs"'
-    for z in range(min(meta_zones, dev.nr_zones)):
+    for z in range(min(max(meta_zones, 32), dev.nr_zones)):
         zone = dev.zone(z)
-        if zone.wp and marker in dev.read(z, 0, min(zone.wp, 1 << 16)):
+        try:
+            head = dev.read(z, 0, min(zone.wp, 1 << 16)) if zone.wp else b""
+        except OSError:
+            continue
+        if marker in head:
             return (f"{target}: retainzfs metadata is corrupt (no superblock record passes its "
                     f"checksum); not touching it (mkfs.retainzfs --force would erase it)")
     used = [z for z in range(dev.nr_zones)
@@ -61,7 +65,7 @@ def no_superblock_message(dev, target: str, meta_zones: int = 3) -> str:
     if used:
         # Something is on the device: never advise the command that would erase it.
         meta_used = [z for z in used if z < meta_zones]
-        return (f"{target}: no retainzfs superblock in metadata zones 0-{meta_zones - 1} "
-                f"({'unreadable' if meta_used else 'all empty'}), but {len(used)} of "
+        return (f"{target}: no retainzfs superblock found (the first zones are "
+                f"{'unreadable' if meta_used else 'empty'}), but {len(used)} of "
                 f"{dev.nr_zones} zones hold data; not touching it")
     return f"{target}: not a retainzfs filesystem (blank device; run mkfs.retainzfs first)"

@@ -24,19 +24,24 @@ def _open_offline(target: str):
     from .. import _journal as J
     from ..device import DeviceError, open_device
     from ..store import Store, StoreOptions
+    from ..superblock import FormatError
     try:
         dev = open_device(target)
     except DeviceError as e:
         die(str(e))
-    sb = J.probe_superblock(dev)
+    try:
+        sb = J.probe_superblock(dev)
+    except FormatError as e:
+        dev.close()
+        die(f"{target}: {e}")
     if sb is None:
         msg = no_superblock_message(dev, target)
         dev.close()
         die(msg)
     try:
-        store = Store(dev, StoreOptions(allocator=sb.get("allocator", "retainz"),
-                                        gc_reserve=sb.get("gc_reserve", 1), readonly=True))
-    except (J.JournalError, OSError) as e:
+        store = Store(dev, StoreOptions(allocator=sb.allocator, gc_reserve=sb.gc_reserve,
+                                        readonly=True))
+    except (J.JournalError, FormatError, OSError) as e:
         dev.close()
         die(f"{target}: {e}")
     return dev, store
@@ -119,10 +124,14 @@ def cmd_fsck(args) -> int:
         st = store.status()
     finally:
         dev.close()
+    for mp in st.get("metadata_problems") or []:
+        problems.append(f"metadata: {mp} (a read-write mount rewrites both copies)")
+    if st.get("metadata_corrupt"):
+        problems.append(f"metadata: {st['metadata_corrupt']}")
     if st["journal_truncated"]:
         # replay stopped before the end of the log: records after it are not applied
-        problems.append("journal: replay stopped at an unreadable record before the end of the "
-                        "log (metadata written after it is not visible)")
+        problems.append("journal: the last flush is torn (it was never acknowledged; a "
+                        "read-write mount drops it)")
     for p in problems:
         print(p)
     print(f"{args.target}: {st['files']} files, {len(problems)} problems, "

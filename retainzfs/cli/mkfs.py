@@ -8,7 +8,8 @@ import sys
 
 from .. import _journal as J
 from ..device import DeviceError, create_image, open_device
-from ..store import DEFAULT_META_ZONES, FsError, Store
+from ..store import FsError, Store
+from ..superblock import FormatError
 from .common import die, find_mount_of, parse_size
 
 
@@ -21,7 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-open", type=int, default=0, help="open-zone limit of a new image (0 = none)")
     p.add_argument("--max-active", type=int, default=0, help="active-zone limit of a new image (0 = none)")
     p.add_argument("--block-size", default="4096", help="logical block size of a new image")
-    p.add_argument("--meta-zones", type=int, default=DEFAULT_META_ZONES, help="metadata zones (>= 2)")
+    p.add_argument("--meta-zones", type=int, default=None,
+                   help="metadata zones: an even number >= 4 (they are written in mirrored "
+                        "pairs); default about 1%% of the device, 4 on small ones")
     p.add_argument("--allocator", default="retainz", help="default placement policy")
     p.add_argument("--gc-reserve", type=int, default=1, help="empty zones kept for GC")
     p.add_argument("--force", "-f", action="store_true", help="overwrite an existing filesystem/image")
@@ -34,10 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     from .._alloc import POLICIES
     if args.allocator not in POLICIES:
         die(f"unknown allocator {args.allocator!r}; one of {', '.join(POLICIES)}")
-    if args.meta_zones < 2:
-        die("--meta-zones must be at least 2")
-    if args.meta_zones != DEFAULT_META_ZONES:
-        die(f"this version supports --meta-zones {DEFAULT_META_ZONES} only")
+    if args.meta_zones is not None and (args.meta_zones < 4 or args.meta_zones % 2):
+        die(f"--meta-zones {args.meta_zones}: need an even number >= 4 (metadata is written "
+            f"to mirrored zone pairs)")
     mnt = find_mount_of(args.target)
     if mnt:
         die(f"{args.target} is mounted at {mnt}; unmount it first")
@@ -53,15 +55,23 @@ def main(argv: list[str] | None = None) -> int:
             if not os.path.exists(args.target):
                 die(f"{args.target}: no such device or image (use --size to create an image)")
             dev = open_device(args.target)
-            if J.probe_superblock(dev, args.meta_zones) is not None and not args.force:
+            try:
+                found = J.probe_superblock(dev)
+            except FormatError:
+                found = True               # another format version: still a filesystem
+            if found is not None and not args.force:
                 dev.close()
                 die(f"{args.target} already holds a retainzfs filesystem; use --force to overwrite")
             if not args.force:
                 from .common import no_superblock_message
-                msg = no_superblock_message(dev, args.target, args.meta_zones)
+                msg = no_superblock_message(dev, args.target)
                 if "corrupt" in msg:      # a damaged retainzfs: erase it only when told to
                     dev.close()
                     die(f"{args.target} holds a damaged retainzfs filesystem; use --force to overwrite")
+                if "hold data" in msg:    # written zones, no superblock: not ours to erase
+                    dev.close()
+                    die(f"{args.target}: zones hold data but no retainzfs superblock; "
+                        f"use --force to erase them")
     except DeviceError as e:
         die(str(e))
     except ValueError as e:
@@ -74,10 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dev.close()
     if not args.quiet:
-        print(f"retainzfs on {args.target}: {sb['nr_zones']} zones of {sb['zone_size'] >> 20} MiB "
-              f"(capacity {sb['zone_capacity'] >> 20} MiB), {sb['meta_zones']} metadata zones, "
-              f"max_open={dev.max_open} max_active={dev.max_active}, allocator={sb['allocator']}, "
-              f"uuid {sb['uuid']}")
+        print(f"retainzfs (format v{sb.version}) on {args.target}: {sb.nr_zones} zones of "
+              f"{sb.zone_size >> 20} MiB (capacity {sb.zone_capacity >> 20} MiB), "
+              f"{sb.meta_zones} metadata zones ({sb.meta_zones // 2} mirrored pairs), "
+              f"max_open={dev.max_open} max_active={dev.max_active}, allocator={sb.allocator}, "
+              f"uuid {sb.uuid}")
     return 0
 
 

@@ -17,7 +17,7 @@ import time
 from .common import die, find_mount_of, is_retainzfs_mount
 
 #: mount(8)/fstab options that mean nothing to us and are dropped silently
-IGNORED = {"rw", "defaults", "auto", "noauto", "user", "nouser", "users", "nofail", "_netdev",
+IGNORED = {"defaults", "auto", "noauto", "user", "nouser", "users", "nofail", "_netdev",
            "exec", "noexec", "suid", "nosuid", "dev", "nodev", "async", "atime", "noatime",
            "relatime", "strictatime", "nodiratime", "diratime", "owner", "group", "comment"}
 FUSE_PASSTHROUGH = {"allow_other", "allow_root"}
@@ -65,6 +65,8 @@ def parse_options(opts: list[str]) -> tuple[dict, list[str]]:
                 continue
             if key in FUSE_PASSTHROUGH:
                 fuse.append(key)
+            elif key in ("ro", "rw"):
+                ours["readonly"] = key == "ro"
             elif key == "allocator":
                 if val not in POLICIES:
                     raise ValueError(f"mount option allocator={val!r}: expected one of "
@@ -183,23 +185,28 @@ def _open_store(target: str, ours: dict):
                 time.sleep(0.2)
                 continue
             raise
+    from ..superblock import FormatError
     try:
-        sb = J.probe_superblock(dev)
+        try:
+            sb = J.probe_superblock(dev)
+        except FormatError as e:
+            raise DeviceError(f"{target}: {e}") from None
         if sb is None:
             from .common import no_superblock_message
             raise DeviceError(no_superblock_message(dev, target))
-        alloc = ours.get("allocator", sb.get("allocator", "retainz"))
+        alloc = ours.get("allocator", sb.allocator)
         if alloc not in POLICIES:
             raise DeviceError(f"unknown allocator {alloc!r}; one of {', '.join(POLICIES)}")
         opts = StoreOptions(allocator=alloc, lam=ours.get("lam", 1.0),
                             hint_grid=ours.get("hint_grid", 0),
-                            gc_reserve=ours.get("gc_reserve", sb.get("gc_reserve", 1)),
-                            common_admission=ours.get("common_admission", False))
+                            gc_reserve=ours.get("gc_reserve", sb.gc_reserve),
+                            common_admission=ours.get("common_admission", False),
+                            readonly=ours.get("readonly", False))
         if "flush_bytes" in ours:
             opts.flush_bytes = ours["flush_bytes"]
         try:
             store = Store(dev, opts)
-        except J.JournalError as e:
+        except (J.JournalError, FormatError) as e:
             raise DeviceError(f"{target}: {e}") from None
     except BaseException:
         dev.close()
@@ -264,7 +271,8 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
         return 1
     ops = RetainzOperations(store)
     try:
-        pyfuse3.init(ops, mnt, fuse_options(os.path.realpath(target), fuse_extra))
+        extra = list(fuse_extra) + (["ro"] if ours.get("readonly") else [])
+        pyfuse3.init(ops, mnt, fuse_options(os.path.realpath(target), extra))
     except Exception as e:
         store.close()
         dev.close()
