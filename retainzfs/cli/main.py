@@ -1,4 +1,4 @@
-"""retainzfs: status, fsck, hints, gen-workload, replay, sweep."""
+"""retainzfs: status, fsck, scrub, hints, gen-workload, replay, sweep."""
 from __future__ import annotations
 
 import argparse
@@ -175,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fsck", help="check an unmounted filesystem")
     f.add_argument("target")
     f.set_defaults(func=cmd_fsck)
+    from .scrub import add_scrub_args, run_scrub
+    sc = sub.add_parser("scrub", help="verify every live byte against its checksum")
+    add_scrub_args(sc)
+    sc.set_defaults(func=run_scrub)
     ih = sub.add_parser("install-helper", help="install /sbin/mount.fuse.retainzfs for mount(8)/fstab")
     ih.add_argument("--prefix", default="/sbin")
     ih.set_defaults(func=cmd_install_helper)
