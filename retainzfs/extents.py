@@ -37,8 +37,12 @@ class ExtentMap:
     __slots__ = ("exts", "offs")
 
     def __init__(self, exts: list[Extent] | None = None):
-        self.exts: list[Extent] = sorted(exts or [], key=lambda e: e.off)
-        self.offs: list[int] = [e.off for e in self.exts]
+        if not exts:                      # the common case (every inode has a map): no sort
+            self.exts: list[Extent] = []
+            self.offs: list[int] = []
+            return
+        self.exts = sorted(exts, key=lambda e: e.off)
+        self.offs = [e.off for e in self.exts]
 
     def __iter__(self):
         return iter(self.exts)

@@ -115,28 +115,114 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _fsck_findings(store) -> tuple[list[str], list[str]]:
+    """(problems, safe repairs) of a read-only opened store: one line each."""
+    from ..device import ZoneCond
+    problems = store.check()
+    st = store.status()
+    for mp in st.get("metadata_problems") or []:
+        problems.append(f"metadata: {mp}")
+    if st.get("metadata_corrupt"):
+        problems.append(f"metadata: {st['metadata_corrupt']} (not repairable in place: "
+                        f"mount -o ro and copy the files out)")
+    if st["journal_truncated"]:
+        problems.append("journal: the last flush is torn (it was never acknowledged)")
+    repairs = []
+    if (st.get("metadata_problems") or st["journal_truncated"]) and not st.get("metadata_corrupt"):
+        repairs.append("write a fresh metadata snapshot to a free zone pair (two good copies)")
+    live = {e.zone for i in store.inodes.values() for e in i.extents}
+    stale = [z for z in range(store.meta_zones, store.dev.nr_zones)
+             if z not in live and z not in store.bad_zones
+             and (store.dev.zone(z).wp or store.dev.zone(z).cond != ZoneCond.EMPTY)]
+    if stale:
+        problems.append(f"zones {_ranges(stale)}: written but hold no live data")
+        repairs.append(f"reset {len(stale)} zones with no live data")
+    orphans = [i.ino for i in store.inodes.values() if i.nlink == 0]
+    if orphans:
+        problems.append(f"{len(orphans)} unlinked inodes still allocated (orphans)")
+        repairs.append(f"free {len(orphans)} orphaned inodes")
+    damaged = sorted({f for b in store.bad_zones.values() if b["valid_upto"] is not None
+                      for f in b["files"]})
+    if damaged:
+        repairs.append(f"mark {len(damaged)} files damaged (user.retainz.damaged): data past a "
+                       f"zone's write pointer")
+    return problems, repairs
+
+
+def _ranges(zs: list[int]) -> str:
+    out, i = [], 0
+    while i < len(zs):
+        j = i
+        while j + 1 < len(zs) and zs[j + 1] == zs[j] + 1:
+            j += 1
+        out.append(str(zs[i]) if i == j else f"{zs[i]}-{zs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
 def cmd_fsck(args) -> int:
+    """One line per inconsistency; non-zero exit for any.  --repair: print the plan, then do
+    the safe repairs through a read-write open (the same recovery a mount runs)."""
     if find_mount_of(args.target):
         die(f"{args.target} is mounted; unmount it before fsck")
     dev, store = _open_offline(args.target)
     try:
-        problems = store.check()
+        problems, repairs = _fsck_findings(store)
         st = store.status()
     finally:
         dev.close()
-    for mp in st.get("metadata_problems") or []:
-        problems.append(f"metadata: {mp} (a read-write mount rewrites both copies)")
-    if st.get("metadata_corrupt"):
-        problems.append(f"metadata: {st['metadata_corrupt']}")
-    if st["journal_truncated"]:
-        # replay stopped before the end of the log: records after it are not applied
-        problems.append("journal: the last flush is torn (it was never acknowledged; a "
-                        "read-write mount drops it)")
-    for p in problems:
-        print(p)
-    print(f"{args.target}: {st['files']} files, {len(problems)} problems, "
-          f"journal {'truncated at a corrupt record' if st['journal_truncated'] else 'clean'}")
+    result = {"target": args.target, "files": st["files"], "problems": problems,
+              "repairs_planned": repairs if args.repair else [], "repaired": False}
+    if not args.json:
+        for p in problems:
+            print(p)
+    if args.repair and repairs:
+        if not args.json:
+            print("repair plan:")
+            for r in repairs:
+                print(f"  - {r}")
+        _repair(args.target)
+        dev, store = _open_offline(args.target)
+        try:
+            problems, _ = _fsck_findings(store)
+            st = store.status()
+        finally:
+            dev.close()
+        result.update(problems_after=problems, repaired=True)
+        if not args.json:
+            for p in problems:
+                print(f"after repair: {p}")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"{args.target}: {st['files']} files, {len(problems)} problems"
+              + (" after repair" if result["repaired"] else ""))
     return 1 if problems else 0
+
+
+def _repair(target: str) -> None:
+    from .. import _journal as J
+    from ..device import DeviceError, open_device
+    from ..store import Store, StoreOptions
+    from ..superblock import FormatError
+    try:
+        dev = open_device(target)
+        sb = J.probe_superblock(dev)
+        store = Store(dev, StoreOptions(allocator=sb.allocator, gc_reserve=sb.gc_reserve))
+    except (DeviceError, FormatError, J.JournalError, OSError) as e:
+        die(f"{target}: cannot repair: {e}")
+    try:
+        for b in store.bad_zones.values():
+            if b["valid_upto"] is None:
+                continue
+            for path in b["files"]:
+                ino = store.resolve_path(path)
+                if ino is not None:
+                    store.setxattr(ino, b"user.retainz.damaged",
+                                   f"data past the write pointer of a zone ({b['reason']})".encode())
+        store.close()
+    finally:
+        dev.close()
 
 
 HELPER_TEMPLATE = "mount.fuse.retainzfs"
@@ -172,8 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("path", help="mountpoint, or device/image")
     s.set_defaults(func=cmd_status)
-    f = sub.add_parser("fsck", help="check an unmounted filesystem")
+    f = sub.add_parser("fsck", help="check an unmounted filesystem (--repair: the safe fixes)")
     f.add_argument("target")
+    f.add_argument("--repair", action="store_true",
+                   help="print the plan, then reset empty zones, free orphans, rewrite the "
+                        "metadata snapshot, mark damaged files")
+    f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_fsck)
     from .scrub import add_scrub_args, run_scrub
     sc = sub.add_parser("scrub", help="verify every live byte against its checksum")
