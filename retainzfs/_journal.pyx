@@ -146,8 +146,8 @@ def read_pair(dev, int pair, unsigned int fsid, Py_ssize_t bs):
     if b is None:
         problems.append(f"metadata zone {zb} unreadable; using its mirror {za}")
         b = b""
-    if len(a) != len(b) and a and b:
-        problems.append(f"metadata zones {za}/{zb}: copies end at {len(a)}/{len(b)}")
+    # copies of unequal length are what a crash between the two writes of a flush leaves (the
+    # longer copy's last frame was never acknowledged): not damage; the mount evens them out
     end = max(len(a), len(b))
     frames, damage = [], []
     pos = 0
@@ -346,6 +346,7 @@ class Journal:
         self.cap = min(dev.zone(z).capacity for z in range(sb.meta_zones))
         self.chunk = max(self.bs, min(R.SNAP_CHUNK_SIZE, (self.cap // 4) // self.bs * self.bs))
         self.body_max = max(self.chunk + 64, 64 << 10)
+        self.roll_floor = min(self.cap // 4, 64 << 20)   # never roll for less log than this
         self.snapshot_fn = snapshot_fn
         self.pending = bytearray()
         self.seq = 1
@@ -425,6 +426,11 @@ class Journal:
         self.pending = bytearray()
         bodies = self._split(raw)
         size = self._size(bodies)
+        if (self.log_bytes >= max(self.snap_bytes, self.roll_floor)
+                and len(self._free_pairs()) >= self._pairs_for(self.snap_bytes * 5 // 4 + self.chunk)):
+            # the log since the snapshot outgrew it: a fresh snapshot bounds mount time, and
+            # its cost (<= the log it replaces) keeps the journal O(records)
+            return self._roll_plan(raw)
         if self.wp + size <= self.cap:
             return ("append", bodies, raw)
         free = self._free_pairs()

@@ -15,7 +15,7 @@ About 2-4 min for the kill part and 1-2 min for the power cuts on 2 cores.
 
 Env: RETAINZFS_CAMPAIGN_SEED (default 1), RETAINZFS_CAMPAIGN_KILLS (default 50),
 RETAINZFS_CAMPAIGN_POWERCUTS (default 20), RETAINZFS_CAMPAIGN_ALLOW_EOF_EXTENTS=1 (pass
-``--allow-eof-extents``: tolerate the known extents-past-EOF leak after a crash).
+``--allow-eof-extents``: tolerate extents past EOF after a crash; fixed since, kept for bisecting).
 """
 from __future__ import annotations
 

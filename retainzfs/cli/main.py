@@ -130,17 +130,17 @@ def _fsck_findings(store) -> tuple[list[str], list[str]]:
     repairs = []
     if (st.get("metadata_problems") or st["journal_truncated"]) and not st.get("metadata_corrupt"):
         repairs.append("write a fresh metadata snapshot to a free zone pair (two good copies)")
+    # What a crash normally leaves (a mount cleans it up) is a repair, not an inconsistency:
+    # zones holding only dead bytes, files unlinked while open.
     live = {e.zone for i in store.inodes.values() for e in i.extents}
     stale = [z for z in range(store.meta_zones, store.dev.nr_zones)
              if z not in live and z not in store.bad_zones
              and (store.dev.zone(z).wp or store.dev.zone(z).cond != ZoneCond.EMPTY)]
     if stale:
-        problems.append(f"zones {_ranges(stale)}: written but hold no live data")
-        repairs.append(f"reset {len(stale)} zones with no live data")
+        repairs.append(f"reset {len(stale)} zones with no live data ({_ranges(stale)})")
     orphans = [i.ino for i in store.inodes.values() if i.nlink == 0]
     if orphans:
-        problems.append(f"{len(orphans)} unlinked inodes still allocated (orphans)")
-        repairs.append(f"free {len(orphans)} orphaned inodes")
+        repairs.append(f"free {len(orphans)} orphaned inodes (unlinked while open)")
     damaged = sorted({f for b in store.bad_zones.values() if b["valid_upto"] is not None
                       for f in b["files"]})
     if damaged:
@@ -176,6 +176,9 @@ def cmd_fsck(args) -> int:
     if not args.json:
         for p in problems:
             print(p)
+        if not args.repair:
+            for r in repairs:
+                print(f"note: a mount or fsck --repair would {r}")
     if args.repair and repairs:
         if not args.json:
             print("repair plan:")
