@@ -94,6 +94,12 @@ def print_status(st: dict, path: str) -> None:
     t.add_row("journal", _human(st["journal_bytes"]))
     t.add_row("p99 commit", f"{st['p99_commit_ms']:.2f} ms over {st['commits']} commits")
     t.add_row("mean placement", f"{st['mean_alloc_us']:.2f} us")
+    meta = ("damaged beyond the mirror: " + st["metadata_corrupt"]) if st.get("metadata_corrupt") \
+        else (f"{len(st['metadata_problems'])} damaged copies recovered"
+              if st.get("metadata_problems") else "both copies good")
+    t.add_row("integrity", f"format v{st.get('format_version', '?')}, metadata {meta}, "
+                           f"{st.get('checksum_errors', 0)} checksum errors",
+              style="red" if st.get("checksum_errors") or st.get("metadata_corrupt") else None)
     if st.get("capacity_stop"):
         t.add_row("capacity stop", f"yes ({st.get('enospc', 0)} ENOSPC)", style="red")
     for p, err in (st.get("policy_errors") or {}).items():
