@@ -13,7 +13,9 @@ daemon from this process); only blkzone, losetup, modprobe and umount are subpro
 Steps: one-line errors (non-zoned loop device, too few zones on a zoned null_blk, device in
 use); mkfs + mount with no options; a latest-K checkpoint loop with rm; the device's zone
 report against retainzfs status (zones reset); umount/remount and sha256 of every retained
-byte; kill -9 of the daemon mid-write, remount, every fsynced file verified; fsck clean.
+byte; kill -9 of the daemon mid-write, remount, every fsynced file verified; fsck clean;
+``retainzfs scrub`` clean, then one zone of the active metadata pair reset (BLKRESETZONE) and
+remounted: every byte intact from the mirror, the problem reported and repaired, fsck clean.
 Prints ``RESULT {json}`` as its last line; exit status 0 only if every check passed.
 """
 from __future__ import annotations
@@ -367,6 +369,86 @@ def kill_test(dev: str, mnt: str, pid: int, hashes: dict[int, str]) -> tuple[int
     return new, synced
 
 
+def scrub_check(mnt: str, what: str) -> dict:
+    code, out, err = call(cli_main.main, ["scrub", "--json", mnt])
+    try:
+        rep = json.loads(out)
+    except ValueError:
+        rep = {}
+    check(code == 0 and rep.get("errors") == [],
+          f"retainzfs scrub {what}: exit {code}, {rep.get('bytes_verified')} bytes in "
+          f"{rep.get('files')} files, errors {rep.get('errors', err.strip()[-200:])}")
+    return {"rc": code, "bytes_verified": rep.get("bytes_verified"), "files": rep.get("files"),
+            "errors": len(rep.get("errors") or [])}
+
+
+def _meta_state(dev: str) -> tuple[int, list[int], list[tuple[int, int]], list[str]]:
+    """(zone size, live pairs, wp of each metadata zone, problems) read from the device."""
+    from retainzfs import _journal as J
+    from retainzfs.device import open_device
+    d = open_device(dev)
+    try:
+        sb = J.probe_superblock(d)
+        ls = J.load(d, sb)
+        return (d.zone_size, list(ls.live), [(z, d.zone(z).wp) for z in range(sb.meta_zones)],
+                list(ls.problems))
+    finally:
+        d.close()
+
+
+def integrity_check(dev: str, mnt: str, hashes: dict[int, str], synced: dict[str, str]) -> None:
+    """scrub clean; then lose one copy of the active metadata pair (BLKRESETZONE: a zoned
+    device cannot be overwritten in place, so a reset is the damage we can inject) and remount:
+    everything intact from the mirror, the problem reported, and repaired (both copies again)."""
+    res: dict = {}
+    RES["integrity"] = res
+    pid = mount(dev, mnt)
+    res["scrub"] = scrub_check(mnt, "after the kill test")
+    st = status(mnt)
+    res["before"] = {"checksum_errors": st["checksum_errors"],
+                     "metadata_problems": st["metadata_problems"]}
+    check(st["checksum_errors"] == 0 and st["metadata_problems"] == [],
+          f"status: checksum_errors {st['checksum_errors']}, metadata_problems "
+          f"{st['metadata_problems']}")
+    umount(mnt, pid)
+    zsize, live, wps, _ = _meta_state(dev)
+    pair = live[-1]
+    zone = 2 * pair
+    res["reset"] = {"live_pairs": live, "zone": zone, "wp_before": dict(wps)[zone]}
+    run("blkzone", "reset", "-o", str(zone * zsize // 512), "-c", "1", dev)
+    zs = blkzone(dev)
+    check(zs[zone][4] == "EMPTY" and dict(wps)[zone] > 0,
+          f"blkzone reset of metadata zone {zone} (active pair {pair}, wp was "
+          f"{dict(wps)[zone]}): now {zs[zone][4]}")
+    code, out, err = call(cli_main.main, ["fsck", dev])
+    res["fsck_before_mount"] = code
+    check(code != 0, f"fsck reports the lost copy before the mount repairs it (exit {code}: "
+                     f"{(out + err).strip().splitlines()[-1:]})")
+    pid = mount(dev, mnt)
+    st = status(mnt)
+    res["after"] = {"metadata_problems": st["metadata_problems"],
+                    "metadata_corrupt": st["metadata_corrupt"],
+                    "journal_rolls": st["journal_rolls"], "checksum_errors": st["checksum_errors"]}
+    verify(mnt, hashes, synced)
+    check(not st["metadata_corrupt"] and st["journal_rolls"] >= 1,
+          f"mount after the reset: metadata repaired from the mirror (roll: "
+          f"{st['journal_rolls']}, corrupt: {st['metadata_corrupt']})")
+    check(bool(st["metadata_problems"]),
+          f"status reports the repaired metadata problem: {st['metadata_problems']}")
+    res["scrub_after"] = scrub_check(mnt, "after the repair")
+    umount(mnt, pid)
+    _, live2, wps2, probs2 = _meta_state(dev)
+    w = dict(wps2)
+    even = all(w[2 * p] == w[2 * p + 1] > 0 for p in live2)
+    res["repaired"] = {"live_pairs": live2, "wps": {z: w[z] for p in live2 for z in (2 * p, 2 * p + 1)},
+                       "problems": probs2}
+    check(even and not probs2, f"both copies of every live metadata pair again: "
+                               f"{res['repaired']['wps']}, problems {probs2}")
+    code, out, err = call(cli_main.main, ["fsck", dev])
+    res["fsck_after"] = code
+    check(code == 0, f"fsck after the repair: {(out + err).strip().splitlines()[-1:]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dev", default=os.environ.get("RETAINZ_ZNS_DEV"))
@@ -421,12 +503,13 @@ def main() -> int:
         pid = None
         code, out, err = call(cli_main.main, ["fsck", dev])
         check(code == 0, f"retainzfs fsck: {(out + err).strip().splitlines()[-1:]}")
+        integrity_check(dev, mnt, hashes, synced)
     except Exception as e:  # noqa: BLE001 -- report and fail
         import traceback
         traceback.print_exc()
         FAILS.append(f"exception: {e}")
     finally:
-        if pid:
+        if pid or os.path.ismount(mnt):
             subprocess.run(["umount", mnt], capture_output=True)
     RES["fails"] = FAILS
     RES["seconds"] = round(time.monotonic() - T0, 1)
