@@ -217,6 +217,7 @@ class Store:
         self.journal_truncated = info.torn
         self.meta_problems = list(info.problems)
         self.meta_corrupt = info.corrupt
+        self.tuning: dict = {}                  # kernel-side settings the mount made (status)
         # zone -> {"reason", "valid_upto", "files"}: zones a failure took out of service
         self.bad_zones: dict[int, dict] = {}
         self._capacity_stop = False
@@ -1597,6 +1598,7 @@ class Store:
                 "metadata_problems": list(self.meta_problems),
                 "metadata_corrupt": self.meta_corrupt,
                 "format_version": self.sb.version,
+                "tuning": dict(self.tuning),
             }
 
     def zone_table(self) -> list[dict]:

@@ -86,6 +86,8 @@ def parse_options(opts: list[str]) -> tuple[dict, list[str]]:
                 ours["log"] = val
             elif key == "debug":
                 ours["debug"] = _flag(key, val)
+            elif key == "readahead_kb":
+                ours["readahead_kb"] = _number(key, val, int, 0, hi=1 << 20)
             elif key == "sync_interval":
                 # 0 would busy-loop the periodic flush; more than an hour is surely a typo
                 ours["sync_interval"] = _number(key, val, float, 0.01, hi=3600)
@@ -214,6 +216,29 @@ def _open_store(target: str, ours: dict):
     return dev, store
 
 
+def _set_readahead(mnt: str, kb: int) -> int | None:
+    """Set the kernel readahead of our FUSE mount (its bdi); returns the value now in force.
+
+    Why: FUSE mounts get 128 KiB of readahead, which halves a cold sequential read of a
+    checkpoint; 4 MiB matches the zones' write size.  Found via /proc/self/mountinfo (a stat of
+    the mountpoint from the daemon itself would wait for the daemon)."""
+    real = os.path.normpath(mnt)          # no realpath here: an lstat of it would wait for us
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 4 and parts[4] == real:
+                    path = f"/sys/class/bdi/{parts[2]}/read_ahead_kb"
+                    if kb:
+                        with open(path, "w") as g:
+                            g.write(str(kb))
+                    with open(path) as g:
+                        return int(g.read())
+    except OSError:
+        pass
+    return None
+
+
 def _default_log(mnt: str) -> str:
     base = "/var/log/retainzfs"
     try:
@@ -280,7 +305,10 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
         if notify_fd is None:
             die(f"cannot mount on {mnt}: {e}")
         return 1
-    log.info("mounted %s on %s (allocator=%s)", target, mnt, store.opts.allocator)
+    ra = _set_readahead(mnt, ours.get("readahead_kb", 4096))
+    store.tuning["read_ahead_kb"] = ra
+    log.info("mounted %s on %s (allocator=%s, read_ahead_kb=%s)", target, mnt,
+             store.opts.allocator, ra)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -330,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     if args.foreground:
         logging.basicConfig(level=level, format=fmt)
-        return serve(target, mnt, ours, fuse_extra, None)
+        return serve(target, os.path.realpath(mnt), ours, fuse_extra, None)
 
     logfile = os.path.abspath(ours.get("log") or _default_log(mnt))
     try:                                          # in the parent: a bad path is a one-line error
@@ -338,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         die(f"cannot open log file {logfile}: {e.strerror}")
     # the daemon leaves the caller's directory (so it does not pin it): absolute paths
-    target, mnt = os.path.abspath(target), os.path.abspath(mnt)
+    target, mnt = os.path.abspath(target), os.path.realpath(mnt)   # (not mounted yet: safe)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:                                  # daemon: never returns into main()
