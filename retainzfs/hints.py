@@ -50,6 +50,8 @@ PRESETS: dict[str, str] = {
     "hf": r"^(?:tmp-)?checkpoint-(\d+)$",
     "lightning": r"(?:^|[-_])step=(\d+)(?=[-_.]|$)",
     "dcp": r"^(?:step|checkpoint|ckpt|epoch)[-_=]?(\d+)(?:\.[A-Za-z0-9]+)?$",
+    # nvidia-resiliency-ext local checkpoints: written as ...local.dirty.pt, then renamed
+    "nvrx": r"^iter_(\d+)_\d+_local(?:\.dirty)?\.pt$",
 }
 #: "rolling" files of each preset: not a generation, rewritten (or replaced) at every save, so
 #: the data written now die at the next save: birth = newest generation beside it, reclaim =

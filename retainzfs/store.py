@@ -75,6 +75,8 @@ class Inode:
     xattrs: dict = field(default_factory=dict)
     hint: H.Hint | None = None
     policy_src: bytes = b""        # dirs: the last valid .retainz text (stays in force)
+    placed_hint: H.Hint | None = None   # files: the hint data already placed were placed with,
+                                        # when a rename re-derived a different one
     parent: int = 0
     name: bytes = b""
     extents: ExtentMap = field(default_factory=ExtentMap)
@@ -111,6 +113,9 @@ class Inode:
             d["h"] = [self.hint.birth, self.hint.reclaim, self.hint.stream, self.hint.source]
         if self.policy_src:
             d["ps"] = self.policy_src.decode("utf-8")
+        if self.placed_hint is not None:
+            p = self.placed_hint
+            d["hp"] = [p.birth, p.reclaim, p.stream, p.source]
         return d
 
     def set_attrs(self, d: dict) -> None:
@@ -122,6 +127,8 @@ class Inode:
         h = d.get("h")
         self.hint = H.Hint(int(h[0]), float(h[1]), int(h[2]), h[3]) if h else None
         self.policy_src = d.get("ps", "").encode("utf-8")
+        hp = d.get("hp")
+        self.placed_hint = H.Hint(int(hp[0]), float(hp[1]), int(hp[2]), hp[3]) if hp else None
 
 
 @dataclass
@@ -754,6 +761,8 @@ class Store:
                         self._free_inode(victim)
                 else:
                     self._drop_link(victim)
+            if op.ino != np_.ino or old_name != new_name:
+                self._rederive_hints(moving)
             for d, n in ((op, old_name), (np_, new_name)):
                 if n == H.POLICY_NAME and d.ino in self.inodes:
                     try:
@@ -843,8 +852,13 @@ class Store:
                     self._resolve_hint(inode) if inode.is_reg else None)
                 if h is None:
                     raise FsError(errno.ENODATA)
-                return json.dumps({"birth": h.birth, "reclaim": _fmt_hint(h.reclaim),
-                                   "stream": h.stream, "source": h.source}).encode()
+                doc = {"birth": h.birth, "reclaim": _fmt_hint(h.reclaim), "stream": h.stream,
+                       "source": h.source, "name": self.path_of(ino)}
+                p = inode.placed_hint
+                if p is not None and (p.birth, p.reclaim) != (h.birth, h.reclaim):
+                    doc["placed"] = {"birth": p.birth, "reclaim": _fmt_hint(p.reclaim),
+                                     "source": p.source}
+                return json.dumps(doc).encode()
             if name == H.XATTR_STATUS and ino == ROOT_INO:
                 return json.dumps(self.status()).encode()
             try:
@@ -939,6 +953,36 @@ class Store:
             parts.append(inode.name.decode("utf-8", "replace"))
             inode = self.inodes.get(inode.parent)
         return "/" + "/".join(reversed(parts))
+
+    def _rederive_hints(self, moved: Inode) -> None:
+        """After a rename, hints come from the new name (lock held).
+
+        Frameworks write ``x.dirty.pt`` / ``tmp-checkpoint-N/`` / ``.metadata.tmp`` and rename:
+        data not yet placed uses the hint of the final name; data already placed under another
+        hint stays where it is and is reported (``placed`` in ``user.retainz.hint``)."""
+        todo, files = [moved], []
+        while todo:
+            i = todo.pop()
+            if i.is_reg:
+                files.append(i)
+            elif i.is_dir:
+                todo += [self.inodes[c] for c in i.entries.values() if c in self.inodes]
+        for f in files:
+            if f.hint is None or H.hint_from_xattrs(f.xattrs) is not None:
+                continue                  # nothing placed yet / an explicit tag wins
+            new = self._resolve_hint(f)
+            if (new.birth, new.reclaim, new.stream) == (f.hint.birth, f.hint.reclaim,
+                                                        f.hint.stream):
+                continue
+            if len(f.extents) or f.wbuf:
+                if f.placed_hint is None:
+                    f.placed_hint = f.hint
+                log.info("%s: hint re-derived after rename (birth %d, reclaim %s); %d bytes "
+                         "already placed with reclaim %s", self.path_of(f.ino), new.birth,
+                         _fmt_hint(new.reclaim), sum(e.length for e in f.extents),
+                         _fmt_hint(f.placed_hint.reclaim))
+            f.hint = new
+            self._save_inode(f)
 
     def _resolve_hint(self, inode: Inode) -> H.Hint:
         """Hint of a file: its xattrs, an ancestor's xattrs, an ancestor's .retainz, or none."""
@@ -1123,6 +1167,7 @@ class Store:
                 self._dead(dead)
                 if size == 0:       # O_TRUNC rewrite: new contents, resolve the hint again
                     inode.hint = None
+                    inode.placed_hint = None
                 inode.mtime = inode.ctime = now_ns()
                 inode.policy_dirty = True
                 inode.dirty = True             # the next close makes the truncation durable

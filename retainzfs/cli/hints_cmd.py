@@ -145,6 +145,11 @@ def _row(path: str, rel: str, kind: str, predicted: dict | None) -> dict:
         for key in ("birth", "reclaim", "stream", "source"):
             vals = sorted({str(h.get(key)) for h in hints})
             row[key] = hints[0].get(key) if len(vals) == 1 else "mixed:" + "|".join(vals)
+        placed = sorted({str(h["placed"]["reclaim"]) for h in hints if h.get("placed")})
+        row["placed_mismatch"] = bool(placed)
+        if placed:     # a rename re-derived the hint after some data were placed
+            row["source"] = f"{row['source']} (renamed; placed with reclaim {'|'.join(placed)})"
+        row["hint_from"] = sorted({h.get("name", "") for h in hints})[:3]
     elif predicted is not None:
         row.update(predicted)
         row["source"] = predicted["source"] + " (no data yet)"
