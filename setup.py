@@ -19,7 +19,8 @@ setup(
     install_requires=["pyfuse3>=3.3", "trio>=0.22", "crc32c>=2.3", "rich>=13", "tqdm>=4.60",
                       "matplotlib>=3.7",
                       "numpy>=1.24",      # replay's pattern bytes
-                      "regex>=2023.0"],   # .retainz regexes with a match timeout
+                      "regex>=2023.0",    # .retainz regexes with a match timeout
+                      "prometheus-client>=0.17"],   # -o metrics=HOST:PORT
     extras_require={"test": ["pytest>=8", "hypothesis>=6",
                              # tests/test_frameworks.py: the real framework packages
                              "lightning>=2.2", "transformers>=4.46", "accelerate>=0.26",

@@ -17,6 +17,7 @@ the next journal flush (the mount flushes every second, and always before an fsy
 """
 from __future__ import annotations
 
+import bisect
 import errno
 import gc
 import json
@@ -209,6 +210,7 @@ class Store:
         self.zgen = [0] * dev.nr_zones          # reset generation of every zone
         self._bad_pieces: set[tuple[int, int]] = set()
         self.commit_ms: list[float] = []
+        self.commit_hist = LatencyHistogram()
         self.open_lru: dict[int, None] = {}
         # per generation (stream, birth): [expected padded bytes (0 = unknown), bytes placed]
         self._saves: dict[tuple[int, int], list[int]] = {}
@@ -1413,7 +1415,9 @@ class Store:
                 self._journal_flush(sync=False)
         if durable:
             self._flush_durably()
-        self.commit_ms.append((time.perf_counter() - t0) * 1000.0)
+        dt = time.perf_counter() - t0
+        self.commit_ms.append(dt * 1000.0)
+        self.commit_hist.observe(dt)
         if len(self.commit_ms) > 100000:
             del self.commit_ms[:50000]
         if policy_error is not None:
@@ -1729,6 +1733,29 @@ class Store:
         self._flusher.shutdown(wait=True)
         self.sync()
         self.dev.flush()
+
+
+class LatencyHistogram:
+    """Cumulative commit latencies for the Prometheus histogram (buckets in seconds)."""
+    BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+               10.0)
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(self.BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        i = bisect.bisect_left(self.BUCKETS, seconds)
+        self.counts[i] += 1
+        self.sum += seconds
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, acc = [], 0
+        for b, c in zip(self.BUCKETS, self.counts):
+            acc += c
+            out.append((repr(b), acc))
+        out.append(("+Inf", acc + self.counts[-1]))
+        return out
 
 
 def _fmt_hint(h: float):

@@ -86,6 +86,14 @@ def parse_options(opts: list[str]) -> tuple[dict, list[str]]:
                 ours["log"] = val
             elif key == "debug":
                 ours["debug"] = _flag(key, val)
+            elif key == "metrics":
+                from ..metrics import parse_listen
+                try:
+                    parse_listen(val)
+                except ValueError:
+                    raise ValueError(f"mount option metrics={val!r}: expected PORT or HOST:PORT "
+                                     f"(default host 127.0.0.1)") from None
+                ours["metrics"] = val
             elif key == "readahead_kb":
                 ours["readahead_kb"] = _number(key, val, int, 0, hi=1 << 20)
             elif key == "sync_interval":
@@ -294,6 +302,18 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
         if notify_fd is None:
             die(f"{target}: {e}")
         return 1
+    if ours.get("metrics"):
+        from ..metrics import serve_metrics
+        try:
+            serve_metrics(store, ours["metrics"])        # a daemon thread: lives with us
+        except OSError as e:
+            store.close()
+            dev.close()
+            msg = f"metrics={ours['metrics']}: cannot listen: {e.strerror or e}"
+            notify(f"ERR {msg}")
+            if notify_fd is None:
+                die(msg)
+            return 1
     ops = RetainzOperations(store)
     try:
         extra = list(fuse_extra) + (["ro"] if ours.get("readonly") else [])

@@ -1,0 +1,95 @@
+"""Prometheus metrics: `-o metrics=127.0.0.1:PORT`, scraped over loopback during a save."""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import MOUNT, run
+
+MiB = 1 << 20
+NEEDED = {"retainzfs_zones", "retainzfs_live_bytes", "retainzfs_invalid_bytes",
+          "retainzfs_tail_bytes", "retainzfs_free_bytes", "retainzfs_zone_resets",
+          "retainzfs_gc_copied_bytes", "retainzfs_host_write_amplification",
+          "retainzfs_commit_seconds", "retainzfs_enospc", "retainzfs_checksum_errors"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> dict:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(body):
+        out[fam.name] = fam
+    return out
+
+
+def _listening_on_loopback_only(port: int) -> bool:
+    want = f":{port:04X}"
+    addrs = []
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        local, st = line.split()[1], line.split()[3]
+        if st == "0A" and local.endswith(want):              # LISTEN
+            addrs.append(local.split(":")[0])
+    return addrs == ["0100007F"]
+
+
+def test_metrics_during_a_save(image, mount_image):
+    port = _free_port()
+    m = mount_image(image, options=f"metrics={port}")
+    assert _listening_on_loopback_only(port)
+    stop = threading.Event()
+
+    def saver():
+        i = 0
+        while not stop.is_set():
+            d = m / f"step-{i}"
+            d.mkdir()
+            with open(d / "shard", "wb") as f:
+                f.write(os.urandom(6 * MiB))
+                os.fsync(f.fileno())
+            if i >= 2:
+                import shutil
+                shutil.rmtree(m / f"step-{i - 2}")
+            i += 1
+
+    t = threading.Thread(target=saver)
+    t.start()
+    try:
+        time.sleep(1.5)
+        fams = _scrape(port)                                # while the save runs
+    finally:
+        stop.set()
+        t.join()
+    assert NEEDED <= set(fams), NEEDED - set(fams)
+    live = fams["retainzfs_live_bytes"].samples[0].value
+    assert live > 0
+    hist = {s.name: s.value for s in fams["retainzfs_commit_seconds"].samples
+            if not s.labels.get("le")}
+    assert hist["retainzfs_commit_seconds_count"] > 0
+    zones = {s.labels["condition"]: s.value for s in fams["retainzfs_zones"].samples}
+    assert sum(zones.values()) == 256
+    fams = _scrape(port)
+    assert fams["retainzfs_zone_resets"].samples[0].value > 0      # rmtree emptied zones
+
+
+def test_bad_metrics_option_and_busy_port(image, tmp_path):
+    mnt = tmp_path / "m"
+    mnt.mkdir()
+    p = run(MOUNT, image, mnt, "-o", "metrics=notaport", check=False)
+    assert p.returncode != 0 and "metrics" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = run(MOUNT, image, mnt, "-o", f"metrics={port},log={tmp_path / 'l'}", check=False)
+        assert p.returncode != 0 and "cannot listen" in p.stderr, p.stderr
