@@ -17,7 +17,7 @@ placed, so nothing has to be guessed.
     dcp.save(state, storage_writer=RetainzWriter(f"/mnt/ckpt/run/step-{step}", birth=step,
                                                  cadence=100, keep_latest=3))
 
-Everything here is plain xattr calls (``os.setxattr``), so it works from any process, any
+Everything here is plain xattr calls (the ``xattr`` package), so it works from any process, any
 rank, and on any filesystem that supports user xattrs (elsewhere the hints are just metadata).
 """
 from __future__ import annotations
@@ -28,11 +28,15 @@ import math
 import os
 from typing import Any
 
-XATTR_BIRTH = "user.retainz.birth"
-XATTR_RECLAIM = "user.retainz.reclaim"
-XATTR_STREAM = "user.retainz.stream"
-XATTR_HINT = "user.retainz.hint"          # read-only, resolved hint (JSON), on files
-XATTR_ZONES = "user.retainz.zones"        # read-only, zones holding the file's data
+import xattr as _xattr
+
+from . import hints as _H                 # the only place the names are defined
+
+XATTR_BIRTH = _H.XATTR_BIRTH.decode()
+XATTR_RECLAIM = _H.XATTR_RECLAIM.decode()
+XATTR_STREAM = _H.XATTR_STREAM.decode()
+XATTR_HINT = _H.XATTR_HINT.decode()       # read-only, resolved hint (JSON), on files
+XATTR_ZONES = _H.XATTR_ZONES.decode()     # read-only, zones holding the file's data
 
 __all__ = ["tag_generation", "tag_path", "latest_k_hint", "hint_of", "zones_of", "RetainzWriter"]
 
@@ -69,9 +73,10 @@ def tag_path(path: str | os.PathLike, birth: int, reclaim: int | float | None,
              stream: int = 0) -> None:
     """Set the hint xattrs on an existing file or directory (before its data are written)."""
     r = _check(birth, reclaim, stream)
-    os.setxattr(path, XATTR_BIRTH, str(int(birth)).encode())
-    os.setxattr(path, XATTR_STREAM, str(int(stream)).encode())
-    os.setxattr(path, XATTR_RECLAIM, r)       # reclaim last: it is what makes the hint complete
+    path = os.fspath(path)
+    _xattr.setxattr(path, XATTR_BIRTH, str(int(birth)).encode())
+    _xattr.setxattr(path, XATTR_STREAM, str(int(stream)).encode())
+    _xattr.setxattr(path, XATTR_RECLAIM, r)   # reclaim last: it is what makes the hint complete
 
 
 def tag_generation(path: str | os.PathLike, birth: int, reclaim: int | float | None,
@@ -90,7 +95,7 @@ def hint_of(path: str | os.PathLike) -> dict | None:
     """The hint the filesystem resolved for a file (``{"birth", "reclaim", "stream", "source"}``,
     reclaim ``"inf"`` for anchors), or None when the file has none / is not on retainzfs."""
     try:
-        return json.loads(os.getxattr(path, XATTR_HINT))
+        return json.loads(_xattr.getxattr(os.fspath(path), XATTR_HINT))
     except OSError as e:
         if e.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
             return None
@@ -100,7 +105,7 @@ def hint_of(path: str | os.PathLike) -> dict | None:
 def zones_of(path: str | os.PathLike) -> list[int]:
     """Zones holding a file's data (empty when it has none or is not on retainzfs)."""
     try:
-        raw = os.getxattr(path, XATTR_ZONES).decode()
+        raw = _xattr.getxattr(os.fspath(path), XATTR_ZONES).decode()
     except OSError as e:
         if e.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
             return []

@@ -424,7 +424,8 @@ def test_runtime_api_tag_generation_and_retainz_writer(mounted, tmp_path):
     with open(os.path.join(gen, "shard0"), "wb") as f:
         f.write(os.urandom(3 << 20))
     h = hint_of(os.path.join(gen, "shard0"))
-    assert h == {"birth": 100, "reclaim": 600, "stream": 2, "source": "xattr-inherited"}
+    assert h == {"birth": 100, "reclaim": 600, "stream": 2, "source": "xattr-inherited",
+                 "name": "/rt/step-100/shard0"}
     assert zones_of(os.path.join(gen, "shard0"))
     ms = tag_generation(mounted / "milestones" / "m1", 50, None)
     with open(os.path.join(ms, "w.pt"), "wb") as f:
@@ -435,7 +436,8 @@ def test_runtime_api_tag_generation_and_retainz_writer(mounted, tmp_path):
     tag_path(f1, 7, 9)
     with open(f1, "ab") as f:
         f.write(b"y" * 5000)
-    assert hint_of(f1) == {"birth": 7, "reclaim": 9, "stream": 0, "source": "xattr"}
+    assert hint_of(f1) == {"birth": 7, "reclaim": 9, "stream": 0, "source": "xattr",
+                           "name": "/loose.bin"}
     with pytest.raises(ValueError):
         tag_generation(run_dir / "bad", 10, 5)                       # reclaim before birth
     assert hint_of(tmp_path) is None and zones_of(tmp_path) == []    # not on retainzfs

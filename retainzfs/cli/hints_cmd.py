@@ -15,6 +15,8 @@ import errno
 import json
 import math
 import os
+
+import xattr
 import stat
 
 from .. import hints as H
@@ -45,7 +47,7 @@ def _mount_root(path: str) -> str | None:
 
 def _getx(path: str, name: str) -> bytes | None:
     try:
-        return os.getxattr(path, name, follow_symlinks=False)
+        return xattr.getxattr(path, name, symlink=True)
     except OSError as e:
         if e.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOENT):
             return None
