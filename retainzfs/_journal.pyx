@@ -150,6 +150,7 @@ def read_pair(dev, int pair, unsigned int fsid, Py_ssize_t bs):
     # longer copy's last frame was never acknowledged): not damage; the mount evens them out
     end = max(len(a), len(b))
     frames, damage = [], []
+    only_a = only_b = 0               # frames found past the end of the other copy
     pos = 0
     while pos < end:
         fa = parse_frame(a, pos, bs, fsid)
@@ -163,6 +164,8 @@ def read_pair(dev, int pair, unsigned int fsid, Py_ssize_t bs):
             elif fb is None and pos < len(b):
                 problems.append(f"metadata zone {zb} damaged at offset {pos}; mirror {za} used")
             frames.append((f[0], f[1], pos))
+            only_a += pos >= len(b)
+            only_b += pos >= len(a)
             pos += f[2] * bs
             continue
         if (pos >= len(a) or is_blank(a, pos)) and (pos >= len(b) or is_blank(b, pos)):
@@ -178,6 +181,12 @@ def read_pair(dev, int pair, unsigned int fsid, Py_ssize_t bs):
         if nxt is None:
             break
         pos = nxt
+    # A crash between the two writes of a frame leaves one frame in one copy only; more than
+    # one means the shorter copy lost frames (a reset or unreadable zone): damage.
+    if only_a > 1:
+        problems.append(f"metadata zone {zb} lost its last {only_a} frames; mirror {za} used")
+    if only_b > 1:
+        problems.append(f"metadata zone {za} lost its last {only_b} frames; mirror {zb} used")
     return frames, problems, damage
 
 

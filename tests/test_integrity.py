@@ -860,9 +860,8 @@ def test_lost_metadata_copy_is_repaired(make_image, mount_image):
     assert run(RETAINZFS, "fsck", img, check=False).returncode == 0
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a metadata copy lost entirely (its zone empty, the "
-                   "mirror full) is repaired by the mount but reported neither by fsck nor in "
-                   "status metadata_problems (_journal.read_pair skips empty copies)")
+# Regression: a metadata copy lost entirely (its zone empty, the mirror full) was repaired by
+# the mount but reported neither by fsck nor in status metadata_problems.
 def test_lost_metadata_copy_is_reported(make_image, mount_image):
     img, m, data = _lose_active_copy(make_image, mount_image)
     p = run(RETAINZFS, "fsck", img, check=False)
