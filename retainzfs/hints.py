@@ -25,6 +25,10 @@ HINT_XATTRS = (XATTR_BIRTH, XATTR_RECLAIM, XATTR_STREAM)
 XATTR_ZONES = b"user.retainz.zones"
 XATTR_HINT = b"user.retainz.hint"
 XATTR_STATUS = b"user.retainz.status"
+#: root only: ``user.retainz.zonemap.<first zone>`` -> JSON rows of up to ZONEMAP_ROWS zones
+#: (paged: an xattr value holds at most 64 KiB)
+XATTR_ZONEMAP = b"user.retainz.zonemap."
+ZONEMAP_ROWS = 1024
 VIRTUAL_XATTRS = (XATTR_ZONES, XATTR_HINT, XATTR_STATUS)
 
 POLICY_NAME = b".retainz"

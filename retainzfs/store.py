@@ -863,6 +863,13 @@ class Store:
                 return json.dumps(doc).encode()
             if name == H.XATTR_STATUS and ino == ROOT_INO:
                 return json.dumps(self.status()).encode()
+            if name.startswith(H.XATTR_ZONEMAP) and ino == ROOT_INO:
+                try:
+                    first = int(name[len(H.XATTR_ZONEMAP):])
+                except ValueError:
+                    raise FsError(errno.ENODATA) from None
+                return json.dumps(self.zone_map(first, H.ZONEMAP_ROWS),
+                                  separators=(",", ":")).encode()
             try:
                 return inode.xattrs[name]
             except KeyError:
@@ -1663,6 +1670,26 @@ class Store:
                         self.alloc.zone_reclaim_epoch(z)) if s["W"] else None)
                 out.append(row)
             return out
+
+    def zone_map(self, first: int = 0, count: int | None = None) -> dict:
+        """Compact per-zone rows for ``retainzfs status --zones``: [condition, written, live,
+        reclaim epoch (-1: anchor, None: nothing written), kind] — kind 'm' metadata, 'b' out of
+        service, 'd' data."""
+        with self.lock:
+            n = self.dev.nr_zones
+            last = n if count is None else min(n, first + count)
+            rows = []
+            for z in range(max(0, first), last):
+                zi = self.dev.zone(z)
+                if z < self.meta_zones:
+                    rows.append([zi.cond.name.lower(), zi.wp, zi.wp, None, "m"])
+                    continue
+                s = self.alloc.summary(z)
+                r = self.alloc.zone_reclaim_epoch(z) if s["W"] else None
+                rows.append([zi.cond.name.lower(), s["W"], s["L"],
+                             -1 if r is not None and math.isinf(r) else r,
+                             "b" if z in self.bad_zones else "d"])
+            return {"first": first, "nr_zones": n, "capacity": self.cap, "rows": rows}
 
     def scrub(self, progress=None) -> dict:
         """Verify every live extent against its data checksums (``retainzfs scrub``).

@@ -113,6 +113,28 @@ def print_status(st: dict, path: str) -> None:
 
 
 def cmd_status(args) -> int:
+    if args.zones or args.png:
+        from . import zonemap
+        path = args.path
+        if os.path.isdir(path):
+            if not is_retainzfs_mount(path):
+                die(f"{path} is not a retainzfs mountpoint")
+            is_mount = True
+        else:
+            mnt = find_mount_of(path)
+            if not mnt and not os.path.exists(path):
+                die(f"{path}: no such mountpoint, device or image")
+            path, is_mount = (mnt, True) if mnt else (path, False)
+        zm = zonemap.fetch(path, is_mount)
+        if args.json:
+            print(json.dumps(zm))
+        elif args.zones:
+            zonemap.render(zm, args.path)
+        if args.png:
+            zonemap.png(zm, args.png, f"retainzfs zone map: {args.path}")
+            if not args.json:
+                print(f"wrote {args.png}")
+        return 0
     st = get_status(args.path)
     if args.json:
         print(json.dumps(st, indent=2, default=lambda x: "inf" if x == math.inf else str(x)))
@@ -265,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("status", help="zone usage, overhead, WA of a mount or an unmounted target")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--zones", action="store_true", help="draw one cell per zone (aggregated "
+                   "on large devices); with --json: the per-zone rows")
+    s.add_argument("--png", metavar="FILE", help="write the zone map as a picture")
     s.add_argument("path", help="mountpoint, or device/image")
     s.set_defaults(func=cmd_status)
     f = sub.add_parser("fsck", help="check an unmounted filesystem (--repair: the safe fixes)")
