@@ -525,15 +525,7 @@ class Journal:
         free = self._free_pairs()
         self._release_slots()
         self.live = []
-        self._start_pair(free.pop(0))
-        size = 0
-        for body in bodies:
-            if self.wp + frame_size(len(body), self.bs) > self.cap:
-                if not free:
-                    raise OSError(errno.ENOSPC, "metadata zones full during a roll")
-                self._release_slots()
-                self._start_pair(free.pop(0))
-            size += self._write_frame(body)
+        size = self._write_spanning(bodies, free)
         self.dev.flush()                  # the new snapshot is durable before the old goes
         for p in old:
             for z in self.zones(p):
@@ -542,6 +534,19 @@ class Journal:
         self.snap_bytes = size
         self.log_bytes = 0
         self.rolls += 1
+
+    def _write_spanning(self, bodies, free):
+        """Write frames from a fresh pair on, moving to the next free pair when one fills."""
+        self._start_pair(free.pop(0))
+        size = 0
+        for body in bodies:
+            if self.wp + frame_size(len(body), self.bs) > self.cap:
+                if not free:
+                    raise OSError(errno.ENOSPC, "metadata zones too small for the snapshot")
+                self._release_slots()
+                self._start_pair(free.pop(0))
+            size += self._write_frame(body)
+        return size
 
     def flush(self, sync=True):
         """prepare + commit in one step (single-threaded users: mkfs, tests, recovery)."""
@@ -559,15 +564,6 @@ class Journal:
             self.dev.reset(z)
         self.seq = 1
         self.live = []
-        self._start_pair(0)
-        free = list(range(1, self.pairs))
-        size = 0
-        for body in self._image_bodies():
-            if self.wp + frame_size(len(body), self.bs) > self.cap:
-                if not free:
-                    raise OSError(errno.ENOSPC, "metadata zones too small for the snapshot")
-                self._release_slots()
-                self._start_pair(free.pop(0))
-            size += self._write_frame(body)
+        size = self._write_spanning(self._image_bodies(), list(range(self.pairs)))
         self.snap_bytes = size
         self.dev.flush()

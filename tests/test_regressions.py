@@ -16,6 +16,7 @@ import time
 import pytest
 
 from conftest import MOUNT, RETAINZFS, is_mounted, run
+from test_durability import one_line_error
 
 MiB = 1 << 20
 
@@ -23,16 +24,6 @@ MiB = 1 << 20
 def sha(path) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
-
-
-def one_line_error(p: subprocess.CompletedProcess, *needles: str) -> str:
-    assert p.returncode != 0, p
-    err = p.stderr.strip()
-    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout, p.stderr
-    assert len(err.splitlines()) == 1, f"not one line: {p.stderr!r}"
-    for n in needles:
-        assert n in err, err
-    return err
 
 
 def fsck(img) -> subprocess.CompletedProcess:

@@ -69,3 +69,15 @@ def no_superblock_message(dev, target: str, meta_zones: int = 4) -> str:
                 f"{'unreadable' if meta_used else 'empty'}), but {len(used)} of "
                 f"{dev.nr_zones} zones hold data; not touching it")
     return f"{target}: not a retainzfs filesystem (blank device; run mkfs.retainzfs first)"
+
+
+def mount_root(path: str) -> str | None:
+    """The retainzfs mountpoint at or above ``path``, or None."""
+    p = os.path.realpath(path)
+    while True:
+        if is_retainzfs_mount(p):
+            return p
+        parent = os.path.dirname(p)
+        if parent == p:
+            return None
+        p = parent

@@ -20,7 +20,7 @@ import xattr
 import stat
 
 from .. import hints as H
-from .common import die, is_retainzfs_mount
+from .common import die, is_retainzfs_mount, mount_root
 
 X_HINT = "user.retainz.hint"
 X_ZONES = "user.retainz.zones"
@@ -35,14 +35,7 @@ def add_hints_args(p) -> None:
 
 
 def _mount_root(path: str) -> str | None:
-    p = os.path.realpath(path)
-    while True:
-        if is_retainzfs_mount(p):
-            return p
-        parent = os.path.dirname(p)
-        if parent == p:
-            return None
-        p = parent
+    return mount_root(path)
 
 
 def _getx(path: str, name: str) -> bytes | None:

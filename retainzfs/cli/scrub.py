@@ -19,7 +19,7 @@ import stat
 import sys
 import time
 
-from .common import die, find_mount_of, is_retainzfs_mount
+from .common import die, find_mount_of, is_retainzfs_mount, mount_root
 
 READ = 4 << 20
 STATUS_XATTR = "user.retainz.status"
@@ -31,14 +31,7 @@ def add_scrub_args(p) -> None:
 
 
 def _mount_root(path: str) -> str | None:
-    p = os.path.realpath(path)
-    while True:
-        if is_retainzfs_mount(p):
-            return p
-        parent = os.path.dirname(p)
-        if parent == p:
-            return None
-        p = parent
+    return mount_root(path)
 
 
 def _bar(total: int, enabled: bool, desc: str):
