@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Data path against a plain file on the same disk, side by side, alternating (issue 10).
+
+For each figure the same work runs on a fresh retainzfs mount (an emulated image on this disk)
+and in a plain directory on the same file system (ext4 here), alternating ``--rounds`` times;
+the ratio (retainzfs / plain, higher is better; for times plain / retainzfs) of the medians is
+printed beside the issue's target. Page cache is dropped before every cold read.
+
+    python3 scripts/bench_io.py                     # 1 GiB files, 2 rounds (~4 min)
+    python3 scripts/bench_io.py --size 256M --rounds 1 --json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+MiB = 1 << 20
+REQ = 1 << 20
+
+
+def drop_caches() -> None:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        pass
+
+
+def write_file(path: str, size: int, buf: bytes) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    try:
+        for _ in range(size // REQ):
+            os.write(fd, buf)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_file(path: str) -> int:
+    n = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while True:
+            b = os.read(fd, REQ)
+            if not b:
+                return n
+            n += len(b)
+    finally:
+        os.close(fd)
+
+
+def parallel(fn, args_list) -> None:
+    ts = [threading.Thread(target=fn, args=a) for a in args_list]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def figures(root: str, size: int) -> dict:
+    """Seconds for each figure in directory ``root``."""
+    buf = os.urandom(REQ)
+    out = {}
+    p = os.path.join(root, "seq")
+    t = time.perf_counter()
+    write_file(p, size, buf)
+    out["seq_write_fsync"] = time.perf_counter() - t
+    drop_caches()
+    t = time.perf_counter()
+    read_file(p)
+    out["cold_seq_read"] = time.perf_counter() - t
+    drop_caches()
+    with open(p, "rb") as f:                              # random 4 KiB reads via mmap
+        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        rnd = random.Random(1)
+        t = time.perf_counter()
+        s = 0
+        for _ in range(4000):
+            o = rnd.randrange(size // 4096) * 4096
+            s += mm[o]
+        out["random_4k_mmap_read"] = time.perf_counter() - t
+        mm.close()
+    os.unlink(p)
+    per = max(REQ, size // 8 // REQ * REQ)
+    t = time.perf_counter()
+    parallel(write_file, [(os.path.join(root, f"w{i}"), per, buf) for i in range(8)])
+    out["8_writers"] = time.perf_counter() - t
+    drop_caches()
+    t = time.perf_counter()
+    parallel(read_file, [(os.path.join(root, f"w{i}"),) for i in range(8)])
+    out["8_readers"] = time.perf_counter() - t
+    for i in range(8):
+        os.unlink(os.path.join(root, f"w{i}"))
+    d = os.path.join(root, "small")
+    t = time.perf_counter()
+    os.mkdir(d)
+    for i in range(2000):
+        with open(os.path.join(d, f"f{i}"), "wb") as f:
+            f.write(b"x" * 100)
+    for i in range(2000):
+        os.stat(os.path.join(d, f"f{i}"))
+    shutil.rmtree(d)
+    out["small_files_2000"] = time.perf_counter() - t
+    return out
+
+
+TARGETS = {"seq_write_fsync": 0.9, "cold_seq_read": 0.9, "8_writers": 0.9, "8_readers": 0.9,
+           "random_4k_mmap_read": 0.8, "small_files_2000": 0.5}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="1G")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workdir", default="/var/tmp")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    from retainzfs.cli.common import parse_size
+    size = parse_size(a.size)
+    work = tempfile.mkdtemp(prefix="bench_io.", dir=a.workdir)
+    img, mnt, plain = (os.path.join(work, n) for n in ("img.zns", "mnt", "plain"))
+    os.makedirs(mnt)
+    os.makedirs(plain)
+    img_size = max(4 << 30, 3 * size)
+    res = {"retainzfs": [], "plain": []}
+    try:
+        for r in range(a.rounds):
+            for kind in (("retainzfs", "plain") if r % 2 == 0 else ("plain", "retainzfs")):
+                if kind == "plain":
+                    res[kind].append(figures(plain, size))
+                    continue
+                subprocess.run(["mkfs.retainzfs", "-q", "--force", "--size", str(img_size),
+                                "--zone-size", "64M", img], check=True)
+                subprocess.run(["mount.retainzfs", img, mnt], check=True)
+                try:
+                    res[kind].append(figures(mnt, size))
+                finally:
+                    subprocess.run(["umount", mnt], check=True)
+                    time.sleep(0.5)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    table = {}
+    for k, target in TARGETS.items():
+        rz = statistics.median(x[k] for x in res["retainzfs"])
+        pl = statistics.median(x[k] for x in res["plain"])
+        table[k] = {"retainzfs_s": rz, "plain_s": pl, "ratio": pl / rz if rz else 0.0,
+                    "target": target}
+    if a.json:
+        print(json.dumps({"size": size, "rounds": a.rounds, "figures": table}, indent=2))
+    else:
+        print(f"{size / MiB:.0f} MiB files, 1 MiB requests, {a.rounds} alternating rounds; "
+              f"ratio = plain time / retainzfs time (1.0 = as fast as a plain file)")
+        for k, v in table.items():
+            ok = "meets" if v["ratio"] >= v["target"] else "below"
+            print(f"  {k:22s} retainzfs {v['retainzfs_s']:7.2f} s  plain {v['plain_s']:7.2f} s  "
+                  f"ratio {v['ratio']:.2f}  (target >= {v['target']}: {ok})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
