@@ -234,3 +234,13 @@ def mounted(image, mount_image) -> Mount:
 def remount():
     """remount(m): clean umount + mount again of a Mount (also available as m.remount())."""
     return lambda m: m.remount()
+
+
+@pytest.fixture
+def say(capsys):
+    """print() that shows in the plain test run (counts of suites and campaigns belong in CI's
+    output, not only under -s)."""
+    def _say(*args, **kw) -> None:
+        with capsys.disabled():
+            print(*args, **kw, flush=True)
+    return _say

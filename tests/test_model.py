@@ -44,16 +44,9 @@ class _Base(RuleBasedStateMachine):
         self.xattrs: dict[str, dict[str, bytes]] = {}
         self.seed = 0
 
-    # --- backend hooks -------------------------------------------------------------------
-    def b_write(self, name, off, data, fsync): raise NotImplementedError
-    def b_truncate(self, name, size): raise NotImplementedError
-    def b_rename(self, a, b): raise NotImplementedError
-    def b_unlink(self, name): raise NotImplementedError
-    def b_setxattr(self, name, key, value): raise NotImplementedError
-    def b_read(self, name) -> bytes: raise NotImplementedError
-    def b_list(self) -> set[str]: raise NotImplementedError
-    def b_xattrs(self, name) -> dict[str, bytes]: raise NotImplementedError
-    def b_remount(self): raise NotImplementedError
+    # Each backend subclass (StoreMachine, MountMachine) provides the operations the rules
+    # call: b_write(name, pieces, fsync), b_truncate, b_rename, b_unlink, b_setxattr, b_read,
+    # b_list, b_xattrs, b_remount.
 
     # --- rules ---------------------------------------------------------------------------
     @rule(name=NAMES, off=OFFS, n=SIZES, fsync=st.booleans(), many=st.integers(1, 40))

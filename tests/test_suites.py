@@ -103,7 +103,7 @@ def parse_pjdfstest(out: str) -> tuple[int, int, str, dict[str, str]]:
     return int(m.group(1)), int(m.group(2)), m.group(3).strip(), failing
 
 
-def test_pjdfstest(suites, make_image, mount_image, tmp_path):
+def test_pjdfstest(suites, make_image, mount_image, tmp_path, say):
     if not shutil.which("prove"):
         _missing("prove (Debian perl) not found")
     m = mount_image(make_image(**GEOMETRY), options="allow_other")
@@ -115,7 +115,7 @@ def test_pjdfstest(suites, make_image, mount_image, tmp_path):
     passed, failed, rest, failing = parse_pjdfstest(p.stdout)
     summary = f"pjdfstest: {passed} passed, {failed} failed {rest} in {dt:.0f} s"
     listing = "".join(f"\n  {f}: {w}" for f, w in failing.items())
-    print(f"\n{summary}{listing}")
+    say(f"\n{summary}{listing}")
     assert p.returncode in (0, 1), f"run_pjdfstest.sh rc={p.returncode}\n{tail(out)}"
     assert passed > 0, f"{summary}: nothing passed\n{tail(out)}"
     assert (failed == 0) == (not failing), f"{summary} but failing files {sorted(failing)}\n{tail(out)}"
@@ -133,7 +133,7 @@ _FSX_RUN = re.compile(r"^  (\S+) \[.*\]: (PASS|FAIL.*) in (\d+) s$", re.M)
 FSX_RUNS = 11
 
 
-def test_fsx_then_remount(suites, make_image, mount_image, tmp_path):
+def test_fsx_then_remount(suites, make_image, mount_image, tmp_path, say):
     """The 11-run fsx matrix passes; the files it leaves are byte-identical after a remount."""
     m = mount_image(make_image(**GEOMETRY))
     # FSX_OPS: ops per run (run_fsx.sh default 10000, ~1-1.5 min for the matrix on 2 cores).
@@ -147,7 +147,7 @@ def test_fsx_then_remount(suites, make_image, mount_image, tmp_path):
     passed, failed = int(s.group(1)), int(s.group(2))
     runs = _FSX_RUN.findall(p.stdout)
     summary = f"fsx: {passed} passed, {failed} failed of {FSX_RUNS} in {dt:.0f} s"
-    print(f"\n{summary}" + "".join(f"\n  {n}: {st} ({t} s)" for n, st, t in runs))
+    say(f"\n{summary}" + "".join(f"\n  {n}: {st} ({t} s)" for n, st, t in runs))
     assert p.returncode == 0 and passed == FSX_RUNS and failed == 0, \
         f"{summary} (rc={p.returncode})\n{tail(out, 60)}\ndaemon log: {m.log}"
 
@@ -158,7 +158,7 @@ def test_fsx_then_remount(suites, make_image, mount_image, tmp_path):
     after = tree_sums(m.path)
     changed = {f: (before.get(f), after.get(f)) for f in before.keys() | after.keys()
                if before.get(f) != after.get(f)}
-    print(f"fsx: {len(before)} files, {sum(sz for sz, _ in before.values()) / MiB:.1f} MiB, "
+    say(f"fsx: {len(before)} files, {sum(sz for sz, _ in before.values()) / MiB:.1f} MiB, "
           f"{len(changed)} differ after remount")
     assert not changed, f"fsx files differ after remount (size, sha256) before/after: {changed}"
 
@@ -201,7 +201,7 @@ def _fio_errors(p, res) -> tuple[int, int, str]:
     return errs, sum(j["read"]["io_bytes"] for j in res["jobs"]), diag
 
 
-def test_fio_verify_then_remount(suites, make_image, mount_image, tmp_path):
+def test_fio_verify_then_remount(suites, make_image, mount_image, tmp_path, say):
     """fio 4 KiB sequential and random writes verify (crc32c), and verify again after a remount;
     a flipped byte is then reported (the verification is not vacuous)."""
     if not shutil.which("fio"):
@@ -211,7 +211,7 @@ def test_fio_verify_then_remount(suites, make_image, mount_image, tmp_path):
     d.mkdir()
     size = int(FIO_SIZE[:-1]) * MiB
     problems = []
-    print()
+    say()
     for phase, extra in (("write+verify", ()), ("verify_only after remount", ("--verify_only",))):
         if extra:
             m.remount()
@@ -220,7 +220,7 @@ def test_fio_verify_then_remount(suites, make_image, mount_image, tmp_path):
             errs, verified, diag = _fio_errors(p, res)
             line = (f"fio {name} ({rw}, {phase}): rc={p.returncode}, {errs} errors, "
                     f"{verified / MiB:.0f} MiB verified in {dt:.1f} s")
-            print(line)
+            say(line)
             if p.returncode != 0 or errs or verified != size:
                 problems.append(f"{line}\n{diag}")
     assert not problems, "\n\n".join(problems) + f"\ndaemon log: {m.log}"
@@ -234,5 +234,5 @@ def test_fio_verify_then_remount(suites, make_image, mount_image, tmp_path):
         f.write(bytes([b[0] ^ 0xFF]))
     p, res, _ = fio("seqwrite", "write", d, tmp_path, "--verify_only")
     errs, _, diag = _fio_errors(p, res)
-    print(f"fio seqwrite (one byte flipped): rc={p.returncode}, {errs} errors (expected: caught)")
+    say(f"fio seqwrite (one byte flipped): rc={p.returncode}, {errs} errors (expected: caught)")
     assert p.returncode != 0 and errs, f"fio --verify_only did not catch a flipped byte\n{diag}"
