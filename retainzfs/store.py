@@ -1657,20 +1657,6 @@ class Store:
                 "tuning": dict(self.tuning),
             }
 
-    def zone_table(self) -> list[dict]:
-        with self.lock:
-            out = []
-            for z in range(self.dev.nr_zones):
-                zi = self.dev.zone(z)
-                row = {"zone": z, "cond": zi.cond.name, "wp": zi.wp,
-                       "kind": "meta" if z < self.meta_zones else "data"}
-                if z >= self.meta_zones:
-                    s = self.alloc.summary(z)
-                    row.update(written=s["W"], live=s["L"], reclaim=_fmt_hint(
-                        self.alloc.zone_reclaim_epoch(z)) if s["W"] else None)
-                out.append(row)
-            return out
-
     def zone_map(self, first: int = 0, count: int | None = None) -> dict:
         """Compact per-zone rows for ``retainzfs status --zones``: [condition, written, live,
         reclaim epoch (-1: anchor, None: nothing written), kind] — kind 'm' metadata, 'b' out of

@@ -19,8 +19,8 @@ def _status_from_mount(mnt: str) -> dict:
         die(f"{mnt}: cannot read status from the mount: {e.strerror}")
 
 
-def _open_offline(target: str):
-    """Open an unmounted target read-only (no repairs written)."""
+def _open_offline(target: str, readonly: bool = True):
+    """Open an unmounted target (read-only: no repairs written); one-line errors."""
     from .. import _journal as J
     from ..device import DeviceError, open_device
     from ..store import Store, StoreOptions
@@ -40,10 +40,10 @@ def _open_offline(target: str):
         die(msg)
     try:
         store = Store(dev, StoreOptions(allocator=sb.allocator, gc_reserve=sb.gc_reserve,
-                                        readonly=True))
+                                        readonly=readonly))
     except (J.JournalError, FormatError, OSError) as e:
         dev.close()
-        die(f"{target}: {e}")
+        die(f"{target}: {'' if readonly else 'cannot repair: '}{e}")
     return dev, store
 
 
@@ -232,16 +232,8 @@ def cmd_fsck(args) -> int:
 
 
 def _repair(target: str) -> None:
-    from .. import _journal as J
-    from ..device import DeviceError, open_device
-    from ..store import Store, StoreOptions
-    from ..superblock import FormatError
-    try:
-        dev = open_device(target)
-        sb = J.probe_superblock(dev)
-        store = Store(dev, StoreOptions(allocator=sb.allocator, gc_reserve=sb.gc_reserve))
-    except (DeviceError, FormatError, J.JournalError, OSError) as e:
-        die(f"{target}: cannot repair: {e}")
+    """The safe repairs: a read-write open runs the mount's recovery; then mark damaged files."""
+    dev, store = _open_offline(target, readonly=False)
     try:
         for b in store.bad_zones.values():
             if b["valid_upto"] is None:
