@@ -13,6 +13,7 @@ import os
 import pyfuse3
 import trio
 
+from .hints import POLICY_NAME
 from .store import FsError, Inode, Store
 
 log = logging.getLogger("retainzfs")
@@ -54,6 +55,13 @@ class RetainzOperations(pyfuse3.Operations):
         self.store = store
         self.handles: dict[int, int] = {}     # fh -> ino
         self.next_fh = 1
+        self.initialized = False
+
+    def init(self):
+        """FUSE INIT: called before libfuse replies, so settings the kernel derives from the
+        reply (the bdi's readahead is lowered to the negotiated ``max_readahead``) must be made
+        after this returns — ``serve`` waits for this flag, then runs its ``ready`` hook."""
+        self.initialized = True
 
     # -- attributes --
     def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
@@ -136,7 +144,11 @@ class RetainzOperations(pyfuse3.Operations):
 
     @_fuse_errors
     async def unlink(self, parent_inode, name, ctx):
-        await _run(self.store.unlink, parent_inode, name)
+        if name == POLICY_NAME:               # may read and match a policy: not on the loop
+            return await _run(self.store.unlink, parent_inode, name)
+        self.store.unlink(parent_inode, name, reset=False)
+        if self.store.reset_pending:
+            await _run(self.store.reset_empty_zones)
 
     @_fuse_errors
     async def rmdir(self, parent_inode, name, ctx):
@@ -267,12 +279,26 @@ async def _periodic_sync(store: Store, interval: float) -> None:
             log.exception("periodic journal flush failed")
 
 
-async def serve(store: Store, sync_interval: float = 1.0, ready=None) -> None:
-    """Run the FUSE loop until unmounted (pyfuse3.init must have been called)."""
+async def _after_init(ops: RetainzOperations, ready) -> None:
+    """Run ``ready`` once the kernel has processed our INIT reply (see ``init``)."""
+    while not ops.initialized:
+        await trio.sleep(0.002)
+    await trio.sleep(0)
+    ready()
+
+
+async def serve(store: Store, sync_interval: float = 1.0, ready=None,
+                ops: RetainzOperations | None = None) -> None:
+    """Run the FUSE loop until unmounted (pyfuse3.init must have been called).
+
+    ``ready`` runs after FUSE INIT when ``ops`` is given, else before the loop starts."""
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_periodic_sync, store, sync_interval)
         if ready is not None:
-            ready()
+            if ops is not None:
+                nursery.start_soon(_after_init, ops, ready)
+            else:
+                ready()
         try:
             await pyfuse3.main(min_tasks=4, max_tasks=32)
         finally:

@@ -673,7 +673,9 @@ class Store:
         self._do(R.DIRENT_DEL, R.pack_json({"p": p.ino, "n": name.decode("latin-1"),
                                             "t": now_ns()}))
 
-    def unlink(self, parent: int, name: bytes) -> None:
+    def unlink(self, parent: int, name: bytes, reset: bool = True) -> None:
+        """Remove a name; with ``reset=False`` no device I/O (the FUSE adapter calls it on the
+        event loop and runs ``reset_pending`` in a worker thread only when zones emptied)."""
         with self.lock:
             p, inode = self._child(parent, name)
             if inode.is_dir:
@@ -682,6 +684,15 @@ class Store:
             if name == H.POLICY_NAME:
                 self._load_policy(p.ino)          # no file: no policy
             self._drop_link(inode)
+        if reset:
+            self._reset_empty_zones()
+
+    @property
+    def reset_pending(self) -> bool:
+        """Zones emptied by a deletion wait for ``_reset_empty_zones``."""
+        return bool(self._pending_resets)
+
+    def reset_empty_zones(self) -> None:
         self._reset_empty_zones()
 
     def rmdir(self, parent: int, name: bytes) -> None:

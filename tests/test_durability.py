@@ -627,6 +627,7 @@ def test_journal_rolls_survive_remount_and_kill(image, mount_image):
     for j in range(50):
         with open(m / f"late{j}", "wb") as f:
             f.write(b"late")
+            f.flush()                 # out of Python's buffer first: fsync covers what was written
             os.fsync(f.fileno())
         expect[f"late{j}"] = b"late"
     m.kill()

@@ -325,10 +325,15 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
         if notify_fd is None:
             die(f"cannot mount on {mnt}: {e}")
         return 1
-    ra = _set_readahead(mnt, ours.get("readahead_kb", 4096))
-    store.tuning["read_ahead_kb"] = ra
-    log.info("mounted %s on %s (allocator=%s, read_ahead_kb=%s)", target, mnt,
-             store.opts.allocator, ra)
+
+    def ready() -> None:
+        # after INIT: the kernel lowers the bdi's readahead to the INIT reply's max_readahead
+        # (128 KiB, libfuse's default) when it processes the reply, undoing an earlier write
+        ra = _set_readahead(mnt, ours.get("readahead_kb", 4096))
+        store.tuning["read_ahead_kb"] = ra
+        log.info("mounted %s on %s (allocator=%s, read_ahead_kb=%s)", target, mnt,
+                 store.opts.allocator, ra)
+        notify("OK")
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -339,7 +344,7 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
                         pyfuse3.terminate()
                         return
             nursery.start_soon(on_signal)
-            await fs_serve(store, ours.get("sync_interval", 1.0), ready=lambda: notify("OK"))
+            await fs_serve(store, ours.get("sync_interval", 1.0), ready=ready, ops=ops)
             nursery.cancel_scope.cancel()
 
     rc = 0
