@@ -18,6 +18,7 @@ functions a small shim is documented at the call site.
 """
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 
@@ -349,7 +350,7 @@ def test_nvrx_local_checkpoint_manager(mounted, gloo_world1):
     for it in (50, 100, 150, 200):
         C.train_step(model, opt)
         sd = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-              "optimizer": opt.state_dict(), "iteration": it}
+              "optimizer": copy.deepcopy(opt.state_dict()), "iteration": it}   # (see worker)
         saved[it] = {"model": {k: v.clone() for k, v in sd["model"].items()},
                      "optimizer": C.flat_optim_tensors(opt)}
         mgr.save(C.CPUTensorAwareStateDict(sd), it)
