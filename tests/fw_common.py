@@ -18,9 +18,12 @@
                       retain interval.
 * helpers: ``tree_digest`` (sha256 of every file + symlink targets), ``hint_of``, ``zones_of``.
 
-The real packages are not used for TorchTitan and Megatron because they are not installable here
-(TorchTitan needs a source checkout and its model zoo, Megatron-LM needs CUDA/Apex); the
-retention logic above is transcribed from upstream and kept in our own code.
+The real packages run in tests/test_frameworks_real.py (torchtitan 0.3.0, megatron-core 0.16.1,
+nvidia-resiliency-ext 0.4.1, installed by scripts/setup.sh).  The reproductions stay: the
+TorchTitan one drives a cadence-inferred preset with a purge log of its own, and Megatron's
+``--save-retain-interval`` lives in ``megatron.training.checkpointing``, which megatron-core ships
+only from versions that need Python >= 3.12 (this project runs on 3.11; 0.16.1 has
+``dist_checkpointing`` but no ``megatron.training``).
 """
 from __future__ import annotations
 
