@@ -138,6 +138,7 @@ def test_torchtitan_checkpoint_manager(mounted, gloo_world1, async_mode, monkeyp
     """TorchTitan's CheckpointManager (interval 2, keep_latest_k 3) saves step-N DCP dirs while
     its purge thread rmtree's the old ones beside the next save; resume from the newest complete
     step restores model, optimizer, lr scheduler, dataloader and train state bit for bit."""
+    C.require("torchtitan")
     from torchtitan.tools import filesystem
     folder = mounted / "titan" / "checkpoint"
     folder.mkdir(parents=True)
@@ -363,7 +364,7 @@ def test_nvrx_local_checkpoint_manager(mounted, gloo_world1):
     st = mounted.status()
     assert st["gc_copied_bytes"] == 0, st
     C.assert_zones_reset(mounted.path, set().union(*(gen_zones[i] for i in (50, 100, 150))), st, 200)
-    rows = {r["path"]: r for r in C_hints_json(root)["generations"]}
+    rows = {r["path"]: r for r in hints_json(root)["generations"]}
     assert [r["birth"] for p, r in rows.items() if p.endswith("_local.pt")] == [200], rows
     before = C.tree_digest(root)
     mounted.remount()
@@ -385,7 +386,7 @@ def test_nvrx_local_checkpoint_manager(mounted, gloo_world1):
     tensors_equal(saved[200]["optimizer"], C.flat_optim_tensors(o2), "optimizer")
 
 
-def C_hints_json(path) -> dict:
+def hints_json(path) -> dict:
     import json
     from conftest import RETAINZFS, run
     return json.loads(run(RETAINZFS, "hints", "--json", path).stdout)

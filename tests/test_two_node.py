@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
-import pathlib
 
 import pytest
 
@@ -73,6 +73,7 @@ def hint(p) -> dict:
 
 
 def test_two_nodes_nvrx_replication_survives_a_lost_node(make_image, mount_image, tmp_path, say):
+    C.require("nvidia_resiliency_ext.checkpointing.local")
     t0 = time.monotonic()
     img_a, img_b = make_image("512M"), make_image("512M")
     a = mount_image(img_a, name="nodeA")
