@@ -47,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+import xattr
 
 VOCAB = 256
 
@@ -355,11 +356,11 @@ def tree_digest(root) -> dict[str, str]:
 
 
 def hint_of(path) -> dict:
-    return json.loads(os.getxattr(path, "user.retainz.hint"))
+    return json.loads(xattr.getxattr(path, "user.retainz.hint"))
 
 
 def zones_of(path) -> list[int]:
-    raw = os.getxattr(path, "user.retainz.zones").decode()
+    raw = xattr.getxattr(path, "user.retainz.zones").decode()
     return [int(z) for z in raw.split(",") if z]
 
 
@@ -410,7 +411,6 @@ def require(module: str):
 def zone_rows(mountpoint) -> list[list]:
     """The whole zone map of a mount: rows [condition, written, live, reclaim, kind] read from
     the root's paged ``user.retainz.zonemap.<first>`` xattrs."""
-    import xattr
     rows: list[list] = []
     while True:
         page = json.loads(xattr.getxattr(os.fspath(mountpoint), f"user.retainz.zonemap.{len(rows)}"))

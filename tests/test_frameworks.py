@@ -25,6 +25,7 @@ import sys
 import time
 
 import pytest
+import xattr
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -425,8 +426,8 @@ def test_runtime_api_tag_generation_and_retainz_writer(mounted, tmp_path):
     # explicit tag wins over the directory's .retainz (nearest declaration first)
     gen = tag_generation(run_dir / "step-100", 100, latest_k_hint(100, 100, 5), stream=2)
     assert os.path.isdir(gen)
-    assert os.getxattr(gen, "user.retainz.birth") == b"100"
-    assert os.getxattr(gen, "user.retainz.reclaim") == b"600"
+    assert xattr.getxattr(gen, "user.retainz.birth") == b"100"
+    assert xattr.getxattr(gen, "user.retainz.reclaim") == b"600"
     with open(os.path.join(gen, "shard0"), "wb") as f:
         f.write(os.urandom(3 << 20))
     h = hint_of(os.path.join(gen, "shard0"))
