@@ -25,7 +25,11 @@ setup(
     extras_require={"test": ["pytest>=8", "hypothesis>=6",
                              # tests/test_frameworks.py: the real framework packages
                              "lightning>=2.2", "transformers>=4.46", "accelerate>=0.26",
-                             "safetensors>=0.4"]},
+                             "safetensors>=0.4",
+                             # tests/test_frameworks_real.py, tests/test_two_node.py: none of
+                             # them pins torch, so they install beside torch 2.13 (CPU)
+                             "torchtitan==0.3.0", "nvidia-resiliency-ext==0.4.1",
+                             "megatron-core==0.16.1"]},
     entry_points={
         "console_scripts": [
             "mkfs.retainzfs=retainzfs.cli.mkfs:main",

@@ -20,7 +20,16 @@ fi
 if [ -f scripts/install_qemu_deps.sh ] && [ "${RETAINZFS_NO_QEMU:-0}" != 1 ]; then
     bash scripts/install_qemu_deps.sh
 fi
-$PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
-$PY -m pip install -q --disable-pip-version-check -e '.[test]'
+TORCH="torch==2.13.0"
+$PY -m pip install -q --disable-pip-version-check "$TORCH"
+# The real framework packages of tests/test_frameworks_real.py and tests/test_two_node.py, pinned
+# (also in setup.py's [test] extra).  None of them pins torch (torchtitan names no torch at all,
+# megatron-core wants torch>=2.6, nvidia-resiliency-ext torch>=2.3), so they install beside the
+# CPU torch; "$TORCH" on the same command line keeps pip from replacing it.
+$PY -m pip install -q --disable-pip-version-check "$TORCH" \
+    "torchtitan==0.3.0" "nvidia-resiliency-ext==0.4.1" "megatron-core==0.16.1"
+$PY -m pip install -q --disable-pip-version-check "$TORCH" -e '.[test]'
+got=$($PY -c 'import torch; print(torch.__version__.split("+")[0])')
+[ "$got" = "${TORCH#torch==}" ] || { echo "setup: torch changed to $got (want ${TORCH#torch==})" >&2; exit 1; }
 $PY -m retainzfs.cli.main install-helper >/dev/null
 echo "setup: retainzfs $($PY -c 'import retainzfs; print(retainzfs.__version__)') ready"

@@ -21,6 +21,7 @@ import subprocess
 import time
 
 import pytest
+import xattr
 
 MKFS = shutil.which("mkfs.retainzfs") or "mkfs.retainzfs"
 MOUNT = shutil.which("mount.retainzfs") or "mount.retainzfs"
@@ -163,7 +164,7 @@ class Mount:
 
     def status(self) -> dict:
         import json
-        return json.loads(os.getxattr(self.path, "user.retainz.status"))
+        return json.loads(xattr.getxattr(self.path, "user.retainz.status"))
 
     def daemon_log(self) -> str:
         try:

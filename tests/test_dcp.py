@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+import xattr
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -88,7 +89,7 @@ def test_dcp_save_load_roundtrip(mounted):
         dcp.save(ref, checkpoint_id=str(mounted / "ckpt" / f"step-{step}"))
     files = sorted(os.listdir(mounted / "ckpt" / "step-300"))
     assert ".metadata" in files and any(f.endswith(".distcp") for f in files), files
-    hint = json.loads(os.getxattr(mounted / "ckpt" / "step-300" / files[-1], "user.retainz.hint"))
+    hint = json.loads(xattr.getxattr(mounted / "ckpt" / "step-300" / files[-1], "user.retainz.hint"))
     assert hint["birth"] == 300 and hint["reclaim"] == 500
 
     def load_into_fresh(path):

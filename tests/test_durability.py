@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import xattr
 
 from conftest import MKFS, MOUNT, RETAINZFS, daemon_pids, image_locked, is_mounted, run, wait_for
 
@@ -243,7 +244,7 @@ def test_latest_k_loop_resets_zones(mounted):
     written = gens * 2 * len(shard)
     assert written > (1 << 30)            # more than the device: reclaim had to work
     assert sorted(os.listdir(run_dir)) == [".retainz", "step-1030", "step-1040", "step-1050"]
-    h = json.loads(os.getxattr(run_dir / "step-1050" / "shard0.distcp", "user.retainz.hint"))
+    h = json.loads(xattr.getxattr(run_dir / "step-1050" / "shard0.distcp", "user.retainz.hint"))
     assert (h["birth"], h["reclaim"]) == (1050, 1080)
     st = status_json(mounted.path)
     assert st["zone_resets"] > 0
@@ -296,7 +297,7 @@ def test_corrupt_journal_record(mounted, tmp_path):
         files[f"f{i}"] = sha_bytes(data)
     (mounted / "dir").mkdir()
     os.sync()
-    os.setxattr(mounted.path, "user.last", b"the last record")     # in the last flush
+    xattr.setxattr(mounted.path, "user.last", b"the last record")     # in the last flush
     mounted.umount()
     frames, _, _ = _meta_frames(mounted.img)
     seq, pair, off = frames[-1]
@@ -307,7 +308,7 @@ def test_corrupt_journal_record(mounted, tmp_path):
     mounted.mount()
     st = mounted.status()
     assert st["metadata_problems"] and not st["journal_truncated"]
-    assert os.getxattr(mounted.path, "user.last") == b"the last record"
+    assert xattr.getxattr(mounted.path, "user.last") == b"the last record"
     for name, digest in files.items():
         assert sha(mounted / name) == digest, name
     (mounted / "post").write_bytes(b"post")              # a last flush of plain records
@@ -513,33 +514,33 @@ def test_mountpoint_in_use_and_image_in_use(make_image, mount_image, tmp_path):
 def test_bad_xattr_value(mounted):
     p = mounted / "f"
     p.write_bytes(b"x" * 1000)
-    os.setxattr(p, "user.retainz.reclaim", b"300")
+    xattr.setxattr(p, "user.retainz.reclaim", b"300")
     for bad in (b"abc", b"", b"1.5", b"-", b"12abc"):
         with pytest.raises(OSError) as ei:
-            os.setxattr(p, "user.retainz.reclaim", bad)
+            xattr.setxattr(p, "user.retainz.reclaim", bad)
         assert ei.value.errno == errno.EINVAL
     with pytest.raises(OSError) as ei:
-        os.setxattr(p, "user.retainz.birth", b"-5")
+        xattr.setxattr(p, "user.retainz.birth", b"-5")
     assert ei.value.errno == errno.EINVAL
-    assert os.getxattr(p, "user.retainz.reclaim") == b"300"          # nothing changed
+    assert xattr.getxattr(p, "user.retainz.reclaim") == b"300"          # nothing changed
     with pytest.raises(OSError) as ei:
-        os.getxattr(p, "user.retainz.birth")
+        xattr.getxattr(p, "user.retainz.birth")
     assert ei.value.errno == errno.ENODATA
     # a real program gets EINVAL too
     r = run("setfattr", "-n", "user.retainz.reclaim", "-v", "abc", p, check=False)
     assert r.returncode != 0 and "Invalid argument" in r.stderr
     (mounted / "d").mkdir()
     with pytest.raises(OSError) as ei:
-        os.setxattr(mounted / "d", "user.retainz.reclaim", b"abc")
+        xattr.setxattr(mounted / "d", "user.retainz.reclaim", b"abc")
     assert ei.value.errno == errno.EINVAL
-    assert "user.retainz.reclaim" not in os.listxattr(mounted / "d")
+    assert "user.retainz.reclaim" not in xattr.listxattr(mounted / "d")
     # virtual xattrs are read-only
     with pytest.raises(OSError):
-        os.setxattr(p, "user.retainz.zones", b"1")
-    os.setxattr(p, "user.retainz.reclaim", b"inf")
-    assert os.getxattr(p, "user.retainz.reclaim") == b"inf"
+        xattr.setxattr(p, "user.retainz.zones", b"1")
+    xattr.setxattr(p, "user.retainz.reclaim", b"inf")
+    assert xattr.getxattr(p, "user.retainz.reclaim") == b"inf"
     mounted.remount()
-    assert os.getxattr(p, "user.retainz.reclaim") == b"inf"
+    assert xattr.getxattr(p, "user.retainz.reclaim") == b"inf"
     assert p.read_bytes() == b"x" * 1000
 
 
@@ -550,7 +551,7 @@ def test_malformed_retainz_policy(mounted):
     (run_dir / "step-100").mkdir()
     data = os.urandom(2 * MiB)
     (run_dir / "step-100" / "shard").write_bytes(data)
-    h = json.loads(os.getxattr(run_dir / "step-100" / "shard", "user.retainz.hint"))
+    h = json.loads(xattr.getxattr(run_dir / "step-100" / "shard", "user.retainz.hint"))
     assert h["reclaim"] == 400
     bads = ["keep_latest = 'three'\n", "keep_latest = = 3\n", "preset = \"nope\"\n",
             "unknown_key = 1\n", "generation = '('\n", "keep_latest = -1\n"]
@@ -570,7 +571,7 @@ def test_malformed_retainz_policy(mounted):
     # the previous valid policy still applies to new generations
     (run_dir / "step-200").mkdir()
     (run_dir / "step-200" / "shard").write_bytes(b"y" * 100_000)
-    h = json.loads(os.getxattr(run_dir / "step-200" / "shard", "user.retainz.hint"))
+    h = json.loads(xattr.getxattr(run_dir / "step-200" / "shard", "user.retainz.hint"))
     assert h["reclaim"] == 500
     assert "Traceback" not in mounted.daemon_log()
     assert ".retainz" in mounted.daemon_log()                           # and a log line
@@ -596,7 +597,7 @@ def test_journal_rolls_survive_remount_and_kill(image, mount_image):
         if i % 100 == 0:
             d.mkdir()
         # big xattr updates fill the metadata zones quickly (each is one large INODE record)
-        os.setxattr(d, "user.big", str(i).encode() * (60_000 // len(str(i))))
+        xattr.setxattr(d, "user.big", str(i).encode() * (60_000 // len(str(i))))
         data = f"{i}".encode() * (i % 50 + 1)
         with open(d / f"f{i}", "wb") as f:        # every close flushes a journal block
             f.write(data)

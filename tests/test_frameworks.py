@@ -10,8 +10,9 @@ framework write checkpoints the way it does upstream, and checks
   load back into the model bit for bit.
 
 Real packages where they install (PyTorch DCP/FSDP2, transformers' Trainer + safetensors,
-Lightning); TorchTitan's and Megatron-LM's checkpoint managers are reproduced from upstream in
-tests/fw_common.py.  The 4-rank DCP job is marked ``multirank`` (deselect with
+Lightning); TorchTitan's and Megatron-LM's checkpoint managers are also reproduced from upstream
+in tests/fw_common.py (the real torchtitan, megatron-core and nvidia-resiliency-ext packages run in
+tests/test_frameworks_real.py).  The 4-rank DCP job is marked ``multirank`` (deselect with
 ``-m "not multirank"``); helper processes: tests/fw_dcp_multirank.py, tests/fw_resume_job.py.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 import time
 
 import pytest
+import xattr
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -213,7 +215,12 @@ def test_megatron_iter_layout_tracker_and_retain_interval(mounted):
     """Megatron-LM torch_dist checkpoints iter_0000002..iter_0000010 with --save-retain-interval 6:
     the previous iteration is deleted in a thread unless retained; retained ones are anchors
     (reclaim inf) kept apart from finite hints; the tracker is rewritten in place and is a
-    rolling file (dies at the next save)."""
+    rolling file (dies at the next save).
+
+    A reproduction on purpose: ``--save-retain-interval`` is implemented in
+    ``megatron.training.checkpointing``, which megatron-core ships only in releases that need
+    Python >= 3.12 (0.19.2), and this project runs on 3.11; megatron-core 0.16.1 (3.11) has
+    ``dist_checkpointing`` and is tested for real in tests/test_frameworks_real.py."""
     save = mounted / "megatron"
     write_policy(save, 'preset = "megatron"\nkeep_latest = 1\nretain_interval = 6\n')
     model, opt = C.make_model(seed=0)
@@ -419,8 +426,8 @@ def test_runtime_api_tag_generation_and_retainz_writer(mounted, tmp_path):
     # explicit tag wins over the directory's .retainz (nearest declaration first)
     gen = tag_generation(run_dir / "step-100", 100, latest_k_hint(100, 100, 5), stream=2)
     assert os.path.isdir(gen)
-    assert os.getxattr(gen, "user.retainz.birth") == b"100"
-    assert os.getxattr(gen, "user.retainz.reclaim") == b"600"
+    assert xattr.getxattr(gen, "user.retainz.birth") == b"100"
+    assert xattr.getxattr(gen, "user.retainz.reclaim") == b"600"
     with open(os.path.join(gen, "shard0"), "wb") as f:
         f.write(os.urandom(3 << 20))
     h = hint_of(os.path.join(gen, "shard0"))

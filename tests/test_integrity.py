@@ -35,6 +35,7 @@ import struct
 import time
 
 import pytest
+import xattr
 
 from conftest import MOUNT, RETAINZFS, Mount, image_locked, mkfs, run, wait_for
 
@@ -77,8 +78,8 @@ def tree_of_mount(root) -> dict:
             p = os.path.join(d, n)
             st = os.lstat(p)
             rel = "/" + os.path.relpath(p, root)
-            xs = {x: os.getxattr(p, x, follow_symlinks=False)
-                  for x in sorted(os.listxattr(p, follow_symlinks=False)) if x not in VIRTUAL}
+            xs = {x: xattr.getxattr(p, x, symlink=True)
+                  for x in sorted(xattr.listxattr(p, symlink=True)) if x not in VIRTUAL}
             if stat.S_ISREG(st.st_mode):
                 try:
                     with open(p, "rb") as f:
@@ -92,7 +93,7 @@ def tree_of_mount(root) -> dict:
                 what = None
             out[rel] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode),
                         st.st_size if not stat.S_ISDIR(st.st_mode) else 0, what, xs)
-    rxs = {x: os.getxattr(root, x) for x in sorted(os.listxattr(root)) if x not in VIRTUAL}
+    rxs = {x: xattr.getxattr(root, x) for x in sorted(xattr.listxattr(root)) if x not in VIRTUAL}
     out["/"] = (stat.S_IFDIR, stat.S_IMODE(os.stat(root).st_mode), 0, None, rxs)
     return out
 
@@ -389,10 +390,10 @@ def build_workload_image(root) -> tuple:
         sizes = [0, 1, 100, 4095, 4096, 4097, 16385, 65543, MiB, 3 * MiB + 5, 5 * MiB + 1]
         for i, n in enumerate(sizes):
             _write(m / ("a", "a/b", "c")[i % 3] / f"f{i}", rng.randbytes(n), fsync=i % 2 == 0)
-        os.setxattr(m / "a/f0", "user.tag", b"zero")
-        os.setxattr(m / "a/b", "user.dir", b"\x00\xffbinary")
-        os.setxattr(m / "c", "user.retainz.birth", b"5")
-        os.setxattr(m / "c", "user.retainz.reclaim", b"20")
+        xattr.setxattr(m / "a/f0", "user.tag", b"zero")
+        xattr.setxattr(m / "a/b", "user.dir", b"\x00\xffbinary")
+        xattr.setxattr(m / "c", "user.retainz.birth", b"5")
+        xattr.setxattr(m / "c", "user.retainz.reclaim", b"20")
         os.symlink("b/f1", m / "a/link")
         os.link(m / "a/f3", m / "a/hard")
         m.remount()
@@ -412,16 +413,16 @@ def build_workload_image(root) -> tuple:
             f.write(rng.randbytes(50_000))
         _write(m / "c/f2", rng.randbytes(123_456))           # rewritten
         for i in range(6):               # incompressible xattrs: a snapshot of several chunks
-            os.setxattr(m / "a" / f"f{3 * (i % 2)}", f"user.blob{i}", rng.randbytes(40_000))
-        os.removexattr(m / "a/f0", "user.tag")
-        os.setxattr(m / "a/f0", "user.tag2", b"two")
+            xattr.setxattr(m / "a" / f"f{3 * (i % 2)}", f"user.blob{i}", rng.randbytes(40_000))
+        xattr.removexattr(m / "a/f0", "user.tag")
+        xattr.setxattr(m / "a/f0", "user.tag2", b"two")
         m.remount()
         # many small flushes: the 1 MiB metadata pair fills and the journal rolls
         _write(m / "counter", b"c" * 10)
         fd = os.open(m / "counter", os.O_RDONLY)
         try:
             for i in range(1000):
-                os.setxattr(m / "counter", "user.n", str(i).encode())
+                xattr.setxattr(m / "counter", "user.n", str(i).encode())
                 os.fsync(fd)
                 if m.status()["journal_rolls"]:
                     break
@@ -433,7 +434,7 @@ def build_workload_image(root) -> tuple:
         fd = os.open(m / "counter", os.O_RDONLY)
         try:                           # the log after the snapshot crosses into the next pair
             for i in range(400):
-                os.setxattr(m / "counter", "user.n", str(i).encode() * 50)
+                xattr.setxattr(m / "counter", "user.n", str(i).encode() * 50)
                 os.fsync(fd)
                 if len({z for z, n in _meta_wps(m) if n}) >= 4:
                     break
@@ -441,14 +442,14 @@ def build_workload_image(root) -> tuple:
             os.close(fd)
         for i in range(6):                                   # records after the snapshot
             _write(m / f"c/post{i}", rng.randbytes(rng.randrange(1, 200_000)), fsync=i % 2 == 0)
-            os.setxattr(m / f"c/post{i}", "user.i", str(i).encode())
+            xattr.setxattr(m / f"c/post{i}", "user.i", str(i).encode())
         os.unlink(m / "c/post3")
         os.rename(m / "c/post4", m / "a/post4")
         m.remount()
         _write(m / "last", b"the last file")
         os.sync()
         time.sleep(1.2)                   # "last" in its own flush; the umount adds one more
-        os.setxattr(m / "last", "user.z", b"z")
+        xattr.setxattr(m / "last", "user.z", b"z")
         expected = tree_of_mount(m)
         st = dict(m.status(), journal_rolls=st_rolls)
         m.umount()
@@ -750,7 +751,7 @@ def test_damage_through_real_mounts(workload_image, tmp_path):
         else:
             try:
                 got = tree_of_mount(mnt)
-                st = json.loads(os.getxattr(mnt, "user.retainz.status"))
+                st = json.loads(xattr.getxattr(mnt, "user.retainz.status"))
                 eio = {k for k, v in got.items() if v[3] == "EIO"}
                 outcome = "eio" if eio else "recovered"
                 d = [x for x in _diff(expected, got)
@@ -837,7 +838,7 @@ def _lose_active_copy(make_image, mount_image) -> tuple:
     data = {f"f{i}": random.Random(i).randbytes(i * 300_000 + 7) for i in range(4)}
     for n, b in data.items():
         (m / n).write_bytes(b)
-    os.setxattr(m.path, "user.x", b"x")
+    xattr.setxattr(m.path, "user.x", b"x")
     m.umount()
     dev = open_device(os.fspath(img))
     try:
@@ -854,7 +855,7 @@ def test_lost_metadata_copy_is_repaired(make_image, mount_image):
     m.mount()
     for n, b in data.items():
         assert (m / n).read_bytes() == b
-    assert os.getxattr(m.path, "user.x") == b"x"
+    assert xattr.getxattr(m.path, "user.x") == b"x"
     assert m.status()["journal_rolls"] >= 1          # the mount rewrote both copies
     m.umount()
     assert run(RETAINZFS, "fsck", img, check=False).returncode == 0

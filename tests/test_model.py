@@ -15,6 +15,7 @@ import shutil
 import stat
 
 import pytest
+import xattr
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, initialize, invariant,
@@ -237,7 +238,7 @@ class MountMachine(_Base):
         os.unlink(self.p(name))
 
     def b_setxattr(self, name, key, value):
-        os.setxattr(self.p(name), key, value)
+        xattr.setxattr(self.p(name), key, value)
 
     def b_read(self, name):
         with open(self.p(name), "rb") as f:
@@ -247,7 +248,7 @@ class MountMachine(_Base):
         return set(os.listdir(self.dir))
 
     def b_xattrs(self, name):
-        return {k: os.getxattr(self.p(name), k) for k in os.listxattr(self.p(name))}
+        return {k: xattr.getxattr(self.p(name), k) for k in xattr.listxattr(self.p(name))}
 
     def b_remount(self):
         self.mount.remount()

@@ -14,6 +14,7 @@ import subprocess
 import time
 
 import pytest
+import xattr
 
 from conftest import MOUNT, RETAINZFS, is_mounted, run
 from test_durability import one_line_error
@@ -122,7 +123,7 @@ def test_journal_flush_of_every_padding_length(mounted):
     f = mounted / "f"
     f.write_bytes(b"")
     for v in range(3900, 4101):
-        os.setxattr(f, "user.pad", b"a" * v)
+        xattr.setxattr(f, "user.pad", b"a" * v)
         fd = os.open(f, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
@@ -135,7 +136,7 @@ def test_journal_flush_of_every_padding_length(mounted):
     assert p.returncode == 0, p.stdout + p.stderr
     mounted.mount()
     assert s.read_bytes() == b"sentinel"
-    assert len(os.getxattr(f, "user.pad")) == 4100
+    assert len(xattr.getxattr(f, "user.pad")) == 4100
     assert mounted.status()["journal_truncated"] is False
 
 
@@ -169,7 +170,7 @@ def test_long_names_give_enametoolong_everywhere(mounted):
 
 # ------------------------------------------------------------------ 4. offline zone
 def _zones_of(path) -> list[int]:
-    v = os.getxattr(path, "user.retainz.zones").decode()
+    v = xattr.getxattr(path, "user.retainz.zones").decode()
     return [int(z) for z in v.split(",") if z]
 
 
@@ -215,7 +216,7 @@ def test_failed_zone_costs_only_its_files(mounted, cond):
         assert "/run" in st["policy_errors"], st          # the last valid one stays in force
     (d / "step-7").mkdir()
     (d / "step-7" / "x").write_bytes(b"x")
-    assert json.loads(os.getxattr(d / "step-7" / "x", "user.retainz.hint"))["reclaim"] == 10
+    assert json.loads(xattr.getxattr(d / "step-7" / "x", "user.retainz.hint"))["reclaim"] == 10
     # everything else works: new files, remount
     (mounted / "new").write_bytes(b"n" * MiB)
     mounted.remount()
@@ -304,7 +305,7 @@ def test_bad_mount_options_one_line_before_fork(image, tmp_path, opt, needle):
 
 # ------------------------------------------------------------------ 8. .retainz
 def _hint(path) -> dict:
-    return json.loads(os.getxattr(path, "user.retainz.hint"))
+    return json.loads(xattr.getxattr(path, "user.retainz.hint"))
 
 
 def test_policy_stays_in_force_across_remount(mounted):
@@ -382,7 +383,7 @@ def test_negative_reclaim_refused(mounted):
     f.write_bytes(b"")
     for name in ("user.retainz.reclaim", "user.retainz.birth", "user.retainz.stream"):
         with pytest.raises(OSError) as ei:
-            os.setxattr(f, name, b"-5")
+            xattr.setxattr(f, name, b"-5")
         assert ei.value.errno == errno.EINVAL, name
 
 

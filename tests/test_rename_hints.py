@@ -6,13 +6,15 @@ import json
 import os
 import subprocess
 
+import xattr
+
 from conftest import RETAINZFS, run
 
 MiB = 1 << 20
 
 
 def _hint(p) -> dict:
-    return json.loads(os.getxattr(p, "user.retainz.hint"))
+    return json.loads(xattr.getxattr(p, "user.retainz.hint"))
 
 
 def test_nvrx_preset_covers_dirty_and_final_names(mounted):
