@@ -370,14 +370,20 @@ class Inode:
         if c == m:
             c = m
         self.atime, self.mtime, self.ctime = a, m, c
-        self._set_ug(uid, gid)
+        self._ug = None if not (uid or gid) else _UG.setdefault((uid, gid), (uid, gid))
         self.name = r.name
-        self.hint = intern_hint(r.hint)
-        self.rdev = rdev
-        self.target = r.target
-        self.xattrs = dict(r.xattrs) if r.xattrs else None
-        self.policy_src = r.policy
-        self.placed_hint = intern_hint(r.placed)
+        h = r.hint
+        self.hint = None if h is None else intern_hint(h)
+        x = self._x
+        if x is None and not (rdev or r.target or r.xattrs or r.policy or r.placed is not None):
+            return                        # nothing rare to keep (no side object)
+        if x is None:
+            x = self._x = Extra()
+        x.rdev = rdev
+        x.target = r.target
+        x.xattrs = dict(r.xattrs) if r.xattrs else None
+        x.policy_src = r.policy
+        x.placed_hint = intern_hint(r.placed)
 
     @classmethod
     def from_rec(cls, r: R.InodeRec) -> "Inode":

@@ -267,6 +267,11 @@ def _unpack_inode_from(buf, pos: int) -> tuple[InodeRec, int]:
     f = _INO.unpack_from(buf, pos)
     pos += _INO.size
     flags, nlen = f[11], f[12]
+    if not flags:                         # the common case: a plain file without extents
+        end = pos + nlen
+        if end > len(buf):
+            raise Short("name past the end of the entry")
+        return InodeRec(f[:11], buf[pos:end] if type(buf) is bytes else bytes(buf[pos:end])), end
     if flags & ~_F_ALL:
         raise ValueError(f"inode entry with unknown flags {flags:#x}")
     name, pos = _take(buf, pos, nlen, "name")

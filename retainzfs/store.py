@@ -176,18 +176,32 @@ class Store:
     # ------------------------------------------------------------------ recovery
     def _load(self, info) -> None:
         self._load_snapshot(info.snapshot)
-        for rtype, payload in info.records:
+        info.snapshot = None                 # (decoded: its memory goes before the replay)
+        for rtype, payload in info.records.consume():
             self._apply(rtype, payload)
             self.replayed_records += 1
         # A file's size is journaled at close/fsync, its EXTENT records whenever data reach a
         # zone (the periodic flush makes them durable): after a crash a file may have committed
         # extents past the size last journaled.  Those bytes were written by the application
         # (and are checksummed), so the size covers them — never live bytes nobody can read.
+        now = self.now
+        live: dict[int, list] = {}
         for ino in self.inodes.values():
-            if ino.extents:
-                end = ino.extents.exts[-1].end
+            m = ino._ext                 # (the shared empty map of extent-less files is skipped)
+            if m:
+                end = m.exts[-1].end
                 if end > ino.size:
                     ino.size = end
+                for e in m.exts:
+                    z = live.get(e.zone)
+                    if z is None:
+                        live[e.zone] = [e]
+                    else:
+                        z.append(e)
+            h = ino.hint
+            if h is not None and h.birth > now:
+                now = h.birth
+        self.now = now
         # allocator summaries from the extent map and the device's write pointers; the
         # metadata pair holds two active zones
         data_active = self.dev.max_active - 2 if self.dev.max_active else 0
@@ -195,12 +209,6 @@ class Store:
                                max_active=data_active, lam=self.opts.lam,
                                hint_grid=self.opts.hint_grid, gc_reserve=self.opts.gc_reserve,
                                fullscan=self.opts.fullscan, block_size=self.bs)
-        live: dict[int, list] = {}
-        for ino in self.inodes.values():
-            for e in ino.extents:
-                live.setdefault(e.zone, []).append(e)
-            if ino.hint is not None and ino.hint.birth > self.now:
-                self.now = ino.hint.birth
         repaired = []
         for z in range(self.meta_zones, self.dev.nr_zones):
             zone = self.dev.zone(z)
