@@ -108,9 +108,9 @@ class RunState:
 
     def idle(self) -> bool:
         f = self.flushing
+        # (policy_dirty only matters for a .retainz: the caller checks that)
         return (self.opens == 0 and self.lookups == 0 and not self.wbuf and not self.dirty
-                and not self.policy_dirty and self.inflight == 0 and self.flush_err is None
-                and (f is None or f.done()))
+                and self.inflight == 0 and self.flush_err is None and (f is None or f.done()))
 
 
 def _x_prop(name: str, default):
@@ -140,7 +140,8 @@ def _rt_prop(name: str, default, drop_when_idle: bool = False):
                 return
             r = self._rt = RunState()
         setattr(r, name, v)
-        if drop_when_idle and not v and r.idle():
+        if drop_when_idle and not v and r.idle() and not (r.policy_dirty
+                                                           and self.name == H.POLICY_NAME):
             self._rt = None
     return property(get, set_)
 
@@ -453,6 +454,10 @@ def load_snapshot(blob) -> tuple[R.SnapshotHeader, dict[int, Inode]]:
     if len(inodes) != count:
         raise ValueError("snapshot: an inode number appears twice")
     get = inodes.get
+    for ino in inodes.values():           # one int object per inode number
+        p = get(ino.parent)
+        if p is not None:
+            ino.parent = p.ino
     for d, ents in dirs:
         e = d._x.entries
         if e is None:

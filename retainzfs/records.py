@@ -131,7 +131,7 @@ def unpack_snapshot(blob: bytes) -> dict:
 #   then, in this order, only the parts whose flag bit is set:
 #   F_TARGET   u32 length + symlink target
 #   F_XATTRS   u16 count, then per xattr: u8 len(name) + name + u32 len(value) + value
-#   F_HINT     <qdq birth, reclaim (inf = anchor), stream + u8 len(source) + source (ascii)
+#   F_HINT     <qdq birth, reclaim (inf = anchor), stream + u8 len(source) + source (utf-8)
 #   F_PLACED   the same for the hint data already placed were placed with
 #   F_POLICY   u32 length + the last valid .retainz text of a directory
 #   F_EXTENTS  u32 count, then per extent <QQIQd file offset, length, zone, zone offset, hint
@@ -195,7 +195,7 @@ def _norm(v):
 
 
 def _pack_hint(h) -> bytes:
-    src = h[3].encode("ascii")
+    src = h[3].encode("utf-8")
     return _HINT.pack(int(h[0]), float(h[1]), int(h[2]), len(src)) + src
 
 
@@ -240,7 +240,7 @@ def _unpack_hint(buf, pos):
     b, rc, s, n = _HINT.unpack_from(buf, pos)
     pos += _HINT.size
     src, pos = _take(buf, pos, n, "hint source")
-    return (b, rc, s, src.decode("ascii")), pos
+    return (b, rc, s, src.decode("utf-8")), pos
 
 
 class Short(ValueError):

@@ -317,6 +317,33 @@ class Store:
         parent.link(name, ino)
 
     def _apply(self, rtype: int, payload: bytes):
+        if rtype == R.INODE_B:
+            r = R.unpack_inode(payload)
+            i = r.fixed[0]
+            inode = self.inodes.get(i)
+            if inode is None:
+                inode = self.inodes[i] = Inode(i, r.fixed[1])
+                if i >= self.next_ino:
+                    self.next_ino = i + 1
+            inode.set_rec(r)
+            p = self.inodes.get(inode.parent)
+            if p is not None:
+                inode.parent = p.ino           # one int object per inode number
+            return inode
+        if rtype == R.DIRENT_B:
+            p, i, t, name = R.unpack_dirent(payload)
+            parent = self.inodes[p]
+            child = self.inodes.get(i)
+            if child is not None:
+                i = child.ino              # one int object per inode number
+                if child.name == name:
+                    name = child.name
+            parent.link(name, i)
+            parent.mtime = parent.ctime = t
+            return None
+        if rtype == R.INODE_DEL_B:
+            inode = self.inodes.pop(R.unpack_ino(payload), None)
+            return inode.extents.clear() if inode is not None else []
         if rtype == R.EXTENT:
             ino, off, zone, zgen, zoff, length, hint = R.unpack_extent(payload)
             if zgen != self.zgen[zone]:
@@ -337,30 +364,6 @@ class Store:
             self.zgen[zone] = gen
             self.csums.drop_zone(zone)
             return None
-        if rtype == R.INODE_B:
-            r = R.unpack_inode(payload)
-            i = r.fixed[0]
-            inode = self.inodes.get(i)
-            if inode is None:
-                inode = self.inodes[i] = Inode(i, r.fixed[1])
-                if i >= self.next_ino:
-                    self.next_ino = i + 1
-            inode.set_rec(r)
-            return inode
-        if rtype == R.DIRENT_B:
-            p, i, t, name = R.unpack_dirent(payload)
-            parent = self.inodes[p]
-            child = self.inodes.get(i)
-            if child is not None:
-                i = child.ino              # one int object per inode number
-                if child.name == name:
-                    name = child.name
-            parent.link(name, i)
-            parent.mtime = parent.ctime = t
-            return None
-        if rtype == R.INODE_DEL_B:
-            inode = self.inodes.pop(R.unpack_ino(payload), None)
-            return inode.extents.clear() if inode is not None else []
         if rtype == R.INODE:
             d = R.unpack_json(payload)
             inode = self.inodes.get(d["i"])
