@@ -121,14 +121,66 @@ def is_blank(buf, Py_ssize_t pos):
 
 # ---- reading ----------------------------------------------------------------------------
 
-def _read_copy(dev, zone):
-    z = dev.zone(zone)
-    if z.wp == 0:
-        return b""
-    try:
-        return dev.read(zone, 0, z.wp)
-    except OSError:
-        return None                       # an OFFLINE zone: the mirror has to serve
+_WINDOW = 8 << 20                       # bytes of one metadata zone read at a time
+
+
+class _Copy:
+    """One copy (zone) of a pair, read a window at a time: a mount never holds whole
+    metadata zones in memory (a ZN540 zone holds a GiB)."""
+
+    def __init__(self, dev, zone):
+        self.dev, self.zone = dev, zone
+        self.n = dev.zone(zone).wp
+        self.base = 0
+        self.buf = b""
+        self.ok = True
+        if self.n:
+            try:
+                self._fill(0, 1)
+            except OSError:
+                self.ok = False           # an OFFLINE zone: the mirror has to serve
+                self.n = 0
+
+    def _fill(self, pos, n):
+        end = min(self.n, pos + max(n, _WINDOW))
+        self.buf = self.dev.read(self.zone, pos, end - pos)
+        self.base = pos
+
+    def view(self, pos, n):
+        """(buffer, offset in it) holding bytes [pos, pos + n) (clipped to the copy)."""
+        if pos < self.base or pos + n > self.base + len(self.buf):
+            try:
+                self._fill(pos, n)
+            except OSError:
+                self.ok = False
+                self.n = pos              # unreadable from here on
+                self.buf, self.base = b"", pos
+        return self.buf, pos - self.base
+
+    def frame(self, Py_ssize_t pos, Py_ssize_t bs, unsigned int fsid):
+        """parse_frame of the frame at ``pos`` of this copy (None: no valid frame there)."""
+        if pos + FRAME_HEADER > self.n:
+            return None
+        buf, r = self.view(pos, FRAME_HEADER)
+        if len(buf) < r + FRAME_HEADER or buf[r:r + 4] != FRAME_MAGIC:
+            return None
+        magic, hcrc, seq, ffsid, nbytes, nblocks, bcrc = _FH.unpack_from(buf, r)
+        if _crc32c(buf[r + 8:r + FRAME_HEADER]) != hcrc or nblocks < 1 \
+                or pos + nblocks * bs > self.n:
+            return None
+        buf, r = self.view(pos, nblocks * bs)
+        return parse_frame(buf, r, bs, fsid) if len(buf) >= r + nblocks * bs else None
+
+    def blank_from(self, Py_ssize_t pos):
+        """Nothing but zeros from ``pos`` to the end of the copy."""
+        while pos < self.n:
+            buf, r = self.view(pos, min(_WINDOW, self.n - pos))
+            if len(buf) <= r:
+                return True
+            if not is_blank(buf[r:], 0):
+                return False
+            pos += len(buf) - r
+        return True
 
 
 def read_pair(dev, int pair, unsigned int fsid, Py_ssize_t bs):
@@ -138,42 +190,40 @@ def read_pair(dev, int pair, unsigned int fsid, Py_ssize_t bs):
     repaired single-copy damages (strings) and damage = [(offset, next_valid_offset|None)] for
     positions where neither copy verifies (None: nothing valid follows — a torn tail)."""
     za, zb = 2 * pair, 2 * pair + 1
-    a, b = _read_copy(dev, za), _read_copy(dev, zb)
+    a, b = _Copy(dev, za), _Copy(dev, zb)
     problems = []
-    if a is None:
+    if not a.ok:
         problems.append(f"metadata zone {za} unreadable; using its mirror {zb}")
-        a = b""
-    if b is None:
+    if not b.ok:
         problems.append(f"metadata zone {zb} unreadable; using its mirror {za}")
-        b = b""
     # copies of unequal length are what a crash between the two writes of a flush leaves (the
     # longer copy's last frame was never acknowledged): not damage; the mount evens them out
-    end = max(len(a), len(b))
+    end = max(a.n, b.n)
     frames, damage = [], []
     only_a = only_b = 0               # frames found past the end of the other copy
-    pos = 0
+    cdef Py_ssize_t pos = 0, q
     while pos < end:
-        fa = parse_frame(a, pos, bs, fsid)
-        fb = parse_frame(b, pos, bs, fsid)
+        fa = a.frame(pos, bs, fsid)
+        fb = b.frame(pos, bs, fsid)
         if fa is not None and fb is not None and fa[0] != fb[0]:
             problems.append(f"metadata zones {za}/{zb} differ at {pos}")
         f = fa if fa is not None else fb
         if f is not None:
-            if fa is None and pos < len(a):
+            if fa is None and pos < a.n:
                 problems.append(f"metadata zone {za} damaged at offset {pos}; mirror {zb} used")
-            elif fb is None and pos < len(b):
+            elif fb is None and pos < b.n:
                 problems.append(f"metadata zone {zb} damaged at offset {pos}; mirror {za} used")
             frames.append((f[0], f[1], pos))
-            only_a += pos >= len(b)
-            only_b += pos >= len(a)
+            only_a += pos >= b.n
+            only_b += pos >= a.n
             pos += f[2] * bs
             continue
-        if (pos >= len(a) or is_blank(a, pos)) and (pos >= len(b) or is_blank(b, pos)):
+        if (pos >= a.n or a.blank_from(pos)) and (pos >= b.n or b.blank_from(pos)):
             break                         # nothing more was written here
         nxt = None
         q = pos + bs
         while q < end:
-            if parse_frame(a, q, bs, fsid) is not None or parse_frame(b, q, bs, fsid) is not None:
+            if a.frame(q, bs, fsid) is not None or b.frame(q, bs, fsid) is not None:
                 nxt = q
                 break
             q += bs
@@ -232,7 +282,7 @@ class LogState:
     def __init__(self):
         self.sb = None
         self.snapshot = None          # bytes of the newest complete snapshot
-        self.records = []             # [(type, payload)] after it, in order
+        self.records = Records()      # (type, payload) after it, in order
         self.problems = []            # repaired (single-copy) damage
         self.corrupt = None           # why acknowledged metadata is missing (None: intact)
         self.torn = False             # the last flush was torn (never acknowledged)
@@ -256,7 +306,7 @@ def load(dev, sb):
     for p in range(pairs):
         fr, probs, dmg = read_pair(dev, p, fsid, bs)
         st.problems += probs
-        per_pair[p] = (fr, dmg)
+        per_pair[p] = dmg
         for seq, body, off in fr:
             frames.append((seq, p, off, body))
     frames.sort()
@@ -267,8 +317,7 @@ def load(dev, sb):
     i = 0
     n = len(frames)
     while i < n:
-        recs = _recs(frames[i][3])
-        if recs and recs[0][0] == R.SNAP_BEGIN:
+        if _first_type(frames[i][3]) == R.SNAP_BEGIN:
             j, parts, ok, done = i, [], True, False
             while j < n and ok and not done:
                 if j > i and frames[j][0] != frames[j - 1][0] + 1:
@@ -281,13 +330,20 @@ def load(dev, sb):
                         done = True
                 j += 1
             if ok and done:
-                snap = (i, j, b"".join(parts))
+                snap = (i, j, parts)
             i = max(j, i + 1)
         else:
             i += 1
     if snap is None:
         raise JournalError("no complete metadata snapshot found (corrupt journal)")
-    first, after, st.snapshot = snap
+    first, after, parts = snap
+    st.snapshot = b"".join(parts)
+    del parts, snap
+    st.snap_bytes = sum(len(frames[k][3]) for k in range(first, after))
+    for k in range(first):               # older frames are not needed any more
+        frames[k] = (frames[k][0], frames[k][1], frames[k][2], None)
+    for k in range(first, after):
+        frames[k] = (frames[k][0], frames[k][1], frames[k][2], None)
     begin_seq = frames[first][0]
     # everything after the snapshot must be there, numbered without gaps
     prev = frames[after - 1][0]
@@ -300,13 +356,9 @@ def load(dev, sb):
                           f"copies)")
             break
         prev = seq
-        for t, pl in _recs(body):
-            if t in (R.SUPER, R.SNAP_BEGIN, R.SNAP_CHUNK, R.SNAP_END):
-                continue              # an interrupted later roll: its records are below
-            st.records.append((t, pl))
+        st.records.bodies.append(body)
         st.log_bytes += len(body)
     st.next_seq = frames[-1][0] + 1
-    st.snap_bytes = sum(len(frames[k][3]) for k in range(first, after))
     # live pairs: those holding frames from the snapshot on, in log order
     order = []
     for seq, p, off, body in frames[first:]:
@@ -314,10 +366,9 @@ def load(dev, sb):
             order.append(p)
     st.live = order
     last = order[-1]
-    fr, dmg = per_pair[last]
     # damage: in the middle of the live log it is corruption; at the very end a torn flush
     for p in order:
-        for pos, nxt in per_pair[p][1]:
+        for pos, nxt in per_pair[p]:
             if nxt is not None or p != last:
                 if st.corrupt is None:
                     st.corrupt = (f"metadata zones {2 * p}/{2 * p + 1}: both copies damaged at "
@@ -328,6 +379,44 @@ def load(dev, sb):
     st.active_wp = max(za.wp, zb.wp)
     st.uneven = za.wp != zb.wp or st.torn or bool(st.problems)
     return st
+
+
+def _first_type(body):
+    return body[4] if len(body) > REC_HEADER else -1
+
+
+_SKIP = (R.SUPER, R.SNAP_BEGIN, R.SNAP_CHUNK, R.SNAP_END)
+
+
+class Records:
+    """The records after the snapshot, decoded frame by frame as they are iterated (a mount
+    never holds a Python object per record).  ``consume()`` iterates once and drops each
+    frame body as soon as its records are applied.  SUPER and snapshot records (an
+    interrupted later roll) are left out."""
+
+    def __init__(self):
+        self.bodies = []
+
+    def __iter__(self):
+        for body in self.bodies:
+            for t, pl in _recs(body):
+                if t not in _SKIP:
+                    yield t, pl
+
+    def consume(self):
+        bodies, self.bodies = self.bodies, []
+        bodies.reverse()
+        while bodies:
+            body = bodies.pop()
+            for t, pl in _recs(body):
+                if t not in _SKIP:
+                    yield t, pl
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+    def __eq__(self, other):
+        return list(self) == list(other)
 
 
 def _recs(body):

@@ -11,7 +11,6 @@ Pure (no I/O, no locks): the store passes in the bytes; ``verify`` tells which p
 """
 from __future__ import annotations
 
-import base64
 from array import array
 from bisect import bisect_right
 
@@ -56,39 +55,87 @@ class Run:
         return self.zoff + self.length
 
 
+class _ZoneRuns:
+    """The runs of one zone as parallel arrays (28 bytes a run, not three objects)."""
+    __slots__ = ("starts", "lens", "first", "crcs")
+
+    def __init__(self) -> None:
+        self.starts = array("Q")      # zone offset of each run (sorted)
+        self.lens = array("Q")        # its length
+        self.first = array("Q")       # index of its first CRC in ``crcs``
+        self.crcs = array("I")
+
+    def add(self, zoff: int, length: int, crcs: array) -> None:
+        i = len(self.starts)
+        if i and zoff < self.starts[-1]:
+            i = bisect_right(self.starts, zoff)
+        if i == len(self.starts):
+            self.starts.append(zoff)
+            self.lens.append(length)
+            self.first.append(len(self.crcs))
+            self.crcs.extend(crcs)
+            return
+        # out of order (rare): rebuild the CRC table around the new run
+        at = self.first[i]
+        self.starts.insert(i, zoff)
+        self.lens.insert(i, length)
+        self.first.insert(i, at)
+        self.crcs[at:at] = crcs
+        for k in range(i + 1, len(self.first)):
+            self.first[k] += len(crcs)
+
+    def run(self, i: int) -> Run:
+        a = self.first[i]
+        n = -(-self.lens[i] // CSUM_PIECE)
+        return Run(self.starts[i], self.lens[i], self.crcs[a:a + n])
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+
 class ZoneChecksums:
     """zone -> its runs, sorted by zone offset (appends only, like the zone)."""
 
     def __init__(self) -> None:
-        self.runs: dict[int, list[Run]] = {}
-        self.starts: dict[int, list[int]] = {}
+        self.zones: dict[int, _ZoneRuns] = {}
 
     def add(self, zone: int, zoff: int, length: int, crcs: array) -> None:
-        runs = self.runs.setdefault(zone, [])
-        starts = self.starts.setdefault(zone, [])
-        i = bisect_right(starts, zoff)
-        runs.insert(i, Run(zoff, length, crcs))
-        starts.insert(i, zoff)
+        zr = self.zones.get(zone)
+        if zr is None:
+            zr = self.zones[zone] = _ZoneRuns()
+        zr.add(zoff, length, crcs)
 
     def drop_zone(self, zone: int) -> None:
-        self.runs.pop(zone, None)
-        self.starts.pop(zone, None)
+        self.zones.pop(zone, None)
+
+    def runs(self, zone: int) -> list[Run]:
+        zr = self.zones.get(zone)
+        return [zr.run(i) for i in range(len(zr))] if zr is not None else []
+
+    def items(self) -> dict[int, list[tuple[int, int, array]]]:
+        """zone -> [(zoff, length, CRCs)] (the snapshot's table)."""
+        out = {}
+        for z, zr in self.zones.items():
+            if len(zr):
+                out[z] = [(r.zoff, r.length, r.crcs) for r in self.runs(z)]
+        return out
 
     def span(self, zone: int, zoff: int, length: int) -> list[tuple[Run, int, int]] | None:
         """Pieces covering [zoff, zoff+length): [(run, first piece, last piece + 1)]; None when
         some byte is not covered by a checksum (an inconsistency: nothing unchecked is served)."""
-        starts = self.starts.get(zone)
-        if not starts or length <= 0:
+        zr = self.zones.get(zone)
+        if zr is None or not len(zr) or length <= 0:
             return [] if length <= 0 else None
-        runs = self.runs[zone]
+        starts, lens = zr.starts, zr.lens
         end = zoff + length
         i = max(bisect_right(starts, zoff) - 1, 0)
         out = []
         pos = zoff
+        n = len(starts)
         while pos < end:
-            if i >= len(runs) or runs[i].zoff > pos or runs[i].end <= pos:
+            if i >= n or starts[i] > pos or starts[i] + lens[i] <= pos:
                 return None
-            r = runs[i]
+            r = zr.run(i)
             lo = (pos - r.zoff) // CSUM_PIECE
             hi_byte = min(end, r.end)
             hi = -(-(hi_byte - r.zoff) // CSUM_PIECE)
@@ -115,13 +162,8 @@ class ZoneChecksums:
         return bad
 
     # -- snapshot
-    def encode(self) -> dict:
-        return {str(z): [[r.zoff, r.length, base64.b64encode(r.crcs.tobytes()).decode()]
-                         for r in runs] for z, runs in self.runs.items() if runs}
-
-    def load(self, doc: dict) -> None:
-        for z, runs in doc.items():
-            for zoff, length, b64 in runs:
-                crcs = array("I")
-                crcs.frombytes(base64.b64decode(b64))
+    def load(self, table: dict) -> None:
+        """Take a snapshot's table: zone -> [(zoff, length, CRCs)]."""
+        for z, runs in table.items():
+            for zoff, length, crcs in runs:
                 self.add(int(z), zoff, length, crcs)

@@ -31,6 +31,8 @@ XATTR_ZONEMAP = b"user.retainz.zonemap."
 ZONEMAP_ROWS = 1024
 VIRTUAL_XATTRS = (XATTR_ZONES, XATTR_HINT, XATTR_STATUS)
 
+#: births and streams are journaled as signed 64-bit integers (records.pack_inode)
+EPOCH_MAX = (1 << 63) - 1
 POLICY_NAME = b".retainz"
 POLICY_MAX = 1 << 20           # a .retainz larger than this is refused, never read as empty
 INF = math.inf
@@ -134,8 +136,8 @@ def validate_xattr(name: bytes, value: bytes) -> float | int:
         return v
     if name in (XATTR_BIRTH, XATTR_STREAM):
         v = parse_int_xattr(name, value)
-        if v < 0:
-            raise HintError(f"{name.decode()}: must be >= 0")
+        if not 0 <= v <= EPOCH_MAX:
+            raise HintError(f"{name.decode()}: must be between 0 and {EPOCH_MAX}")
         return v
     raise HintError(f"unknown hint xattr {name!r}")
 
@@ -240,6 +242,8 @@ def generation_birth(policy: Policy, name: str) -> int | None:
             birth = int(m.group(1))
         except (TypeError, ValueError, IndexError):
             birth = None
+        if birth is not None and birth > EPOCH_MAX:
+            birth = None                  # no epoch that large: not a generation name
     if len(policy.cache) > 100_000:
         policy.cache.clear()
     policy.cache[name] = birth

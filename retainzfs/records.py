@@ -113,3 +113,380 @@ def pack_snapshot(doc: dict) -> bytes:
 
 def unpack_snapshot(blob: bytes) -> dict:
     return json.loads(zlib.decompress(blob))
+
+
+# ------------------------------------------------------------------ inodes and snapshots (binary)
+#
+# INODE_B / DIRENT_B / INODE_DEL_B are the binary forms of INODE / DIRENT_ADD / INODE_DEL
+# (written since the namespace went binary; the JSON types are still read, so an image made
+# before decodes unchanged).  A namespace snapshot is ``zlib(SNAP_MAGIC + header + zone
+# generations + checksum runs + inode entries)``; a JSON snapshot (a blob whose decompressed
+# text starts with ``{``) is still read.
+#
+# One inode entry (the INODE_B payload is the same entry without extents and dirents)::
+#
+#   fixed  <QIIIIQqqqQQBB  ino, mode, uid, gid, nlink, size, atime, mtime, ctime, rdev, parent,
+#                          flags, len(name)
+#   name   len(name) bytes (NAME_MAX 255: one byte of length)
+#   then, in this order, only the parts whose flag bit is set:
+#   F_TARGET   u32 length + symlink target
+#   F_XATTRS   u16 count, then per xattr: u8 len(name) + name + u32 len(value) + value
+#   F_HINT     <qdq birth, reclaim (inf = anchor), stream + u8 len(source) + source (utf-8)
+#   F_PLACED   the same for the hint data already placed were placed with
+#   F_POLICY   u32 length + the last valid .retainz text of a directory
+#   F_EXTENTS  u32 count, then per extent <QQIQd file offset, length, zone, zone offset, hint
+#   F_DIRENTS  u32 count, then per entry: u8 len(name) + name + u64 inode (readdir order)
+#
+# Snapshot header: ``SNAP_MAGIC`` + <Qq next_ino, now; u32 count + count x <II (zone, reset
+# generation) for the zones whose generation is not 0; u32 zone count, per zone <II zone,
+# number of runs, per run <QQ zone offset, length + ceil(length / CSUM_PIECE) u32 CRC32C; then
+# u64 inode count and the inode entries.  Integrity is the journal's: every snapshot chunk sits
+# in a CRC-checked frame, so a damaged byte makes the frame (and the snapshot) invalid before
+# this decoder sees it; the decoder still refuses (ValueError) any entry that runs past its
+# bounds, an unknown flag, trailing bytes, or a count that does not match.
+
+INODE_B = 15
+DIRENT_B = 16
+INODE_DEL_B = 17
+NAMES.update({INODE_B: "inode_b", DIRENT_B: "dirent_b", INODE_DEL_B: "inode_del_b"})
+
+SNAP_MAGIC = b"RZS2"
+F_TARGET, F_XATTRS, F_HINT, F_PLACED, F_POLICY, F_EXTENTS, F_DIRENTS = 1, 2, 4, 8, 16, 32, 64
+_F_ALL = 127
+
+_INO = struct.Struct("<QIIIIQqqqQQBB")
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_HINT = struct.Struct("<qdqB")
+_EXT = struct.Struct("<QQIQd")
+_DIRENT_B = struct.Struct("<QQqB")        # parent, ino, time, len(name); then the name
+_SNAPHDR = struct.Struct("<Qq")
+_II = struct.Struct("<II")
+_RUN = struct.Struct("<QQ")
+
+
+class InodeRec:
+    """The persistent fields of one inode, as the codec sees them (no behaviour).
+
+    ``fixed`` = (ino, mode, uid, gid, nlink, size, atime, mtime, ctime, rdev, parent); hints are
+    (birth, reclaim, stream, source) tuples; ``xattrs`` a list of (name, value); ``extents`` a
+    list of (off, length, zone, zoff, hint); ``dirents`` a list of (name, ino)."""
+    __slots__ = ("fixed", "name", "target", "xattrs", "hint", "placed", "policy", "extents",
+                 "dirents")
+
+    def __init__(self, fixed, name=b"", target=b"", xattrs=(), hint=None, placed=None,
+                 policy=b"", extents=(), dirents=()):
+        self.fixed, self.name, self.target, self.xattrs = fixed, name, target, xattrs
+        self.hint, self.placed, self.policy = hint, placed, policy
+        self.extents, self.dirents = extents, dirents
+
+    def __eq__(self, other):
+        return isinstance(other, InodeRec) and all(
+            _norm(getattr(self, k)) == _norm(getattr(other, k)) for k in self.__slots__)
+
+    def __repr__(self):
+        return "InodeRec(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
+
+
+def _norm(v):
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
+def _pack_hint(h) -> bytes:
+    src = h[3].encode("utf-8")
+    return _HINT.pack(int(h[0]), float(h[1]), int(h[2]), len(src)) + src
+
+
+def pack_inode(r: InodeRec, with_tables: bool = True) -> bytes:
+    """One inode entry (see above); ``with_tables=False``: the INODE_B record (no extents or
+    dirents: those are journaled by their own records)."""
+    name = r.name
+    if len(name) > 255:
+        raise ValueError("inode name longer than 255 bytes")
+    flags = 0
+    tail = []
+    if r.target:
+        flags |= F_TARGET
+        tail += (_U32.pack(len(r.target)), r.target)
+    if r.xattrs:
+        flags |= F_XATTRS
+        tail.append(_U16.pack(len(r.xattrs)))
+        for k, v in r.xattrs:
+            tail += (_U8.pack(len(k)), k, _U32.pack(len(v)), v)
+    if r.hint is not None:
+        flags |= F_HINT
+        tail.append(_pack_hint(r.hint))
+    if r.placed is not None:
+        flags |= F_PLACED
+        tail.append(_pack_hint(r.placed))
+    if r.policy:
+        flags |= F_POLICY
+        tail += (_U32.pack(len(r.policy)), r.policy)
+    if with_tables and r.extents:
+        flags |= F_EXTENTS
+        tail.append(_U32.pack(len(r.extents)))
+        tail += [_EXT.pack(*e) for e in r.extents]
+    if with_tables and r.dirents:
+        flags |= F_DIRENTS
+        tail.append(_U32.pack(len(r.dirents)))
+        for k, i in r.dirents:
+            tail += (_U8.pack(len(k)), k, _U64.pack(i))
+    return _INO.pack(*r.fixed, flags, len(name)) + name + b"".join(tail)
+
+
+def _unpack_hint(buf, pos):
+    b, rc, s, n = _HINT.unpack_from(buf, pos)
+    pos += _HINT.size
+    src, pos = _take(buf, pos, n, "hint source")
+    return (b, rc, s, src.decode("utf-8")), pos
+
+
+class Short(ValueError):
+    """An entry runs past the end of the bytes given (truncated, or a window too small)."""
+
+
+def _take(buf, pos, n, what):
+    end = pos + n
+    if end > len(buf):
+        raise Short(f"{what} past the end of the entry")
+    return bytes(buf[pos:end]), end
+
+
+def unpack_inode_from(buf, pos: int) -> tuple[InodeRec, int]:
+    """(entry, position after it) of the inode entry at ``pos``; ValueError when malformed
+    (``Short`` when it runs past the end of ``buf``)."""
+    try:
+        return _unpack_inode_from(buf, pos)
+    except (struct.error, IndexError):
+        raise Short("inode entry past the end") from None
+
+
+def _unpack_inode_from(buf, pos: int) -> tuple[InodeRec, int]:
+    f = _INO.unpack_from(buf, pos)
+    pos += _INO.size
+    flags, nlen = f[11], f[12]
+    if not flags:                         # the common case: a plain file without extents
+        end = pos + nlen
+        if end > len(buf):
+            raise Short("name past the end of the entry")
+        return InodeRec(f[:11], buf[pos:end] if type(buf) is bytes else bytes(buf[pos:end])), end
+    if flags & ~_F_ALL:
+        raise ValueError(f"inode entry with unknown flags {flags:#x}")
+    name, pos = _take(buf, pos, nlen, "name")
+    r = InodeRec(f[:11], name)
+    if flags & F_TARGET:
+        (n,) = _U32.unpack_from(buf, pos)
+        r.target, pos = _take(buf, pos + 4, n, "symlink target")
+    if flags & F_XATTRS:
+        (cnt,) = _U16.unpack_from(buf, pos)
+        pos += 2
+        xs = []
+        for _ in range(cnt):
+            k, pos = _take(buf, pos + 1, buf[pos], "xattr name")
+            (n,) = _U32.unpack_from(buf, pos)
+            v, pos = _take(buf, pos + 4, n, "xattr value")
+            xs.append((k, v))
+        r.xattrs = xs
+    if flags & F_HINT:
+        r.hint, pos = _unpack_hint(buf, pos)
+    if flags & F_PLACED:
+        r.placed, pos = _unpack_hint(buf, pos)
+    if flags & F_POLICY:
+        (n,) = _U32.unpack_from(buf, pos)
+        r.policy, pos = _take(buf, pos + 4, n, "policy text")
+    if flags & F_EXTENTS:
+        (cnt,) = _U32.unpack_from(buf, pos)
+        pos += 4
+        if pos + cnt * _EXT.size > len(buf):
+            raise Short("extents past the end of the entry")
+        r.extents = list(_EXT.iter_unpack(buf[pos:pos + cnt * _EXT.size]))
+        pos += cnt * _EXT.size
+    if flags & F_DIRENTS:
+        (cnt,) = _U32.unpack_from(buf, pos)
+        pos += 4
+        ds = []
+        for _ in range(cnt):
+            k, pos = _take(buf, pos + 1, buf[pos], "dirent name")
+            (i,) = _U64.unpack_from(buf, pos)
+            pos += 8
+            ds.append((k, i))
+        r.dirents = ds
+    return r, pos
+
+
+def unpack_inode(payload) -> InodeRec:
+    """An INODE_B record; ValueError when malformed or followed by stray bytes."""
+    r, pos = unpack_inode_from(payload, 0)
+    if pos != len(payload):
+        raise ValueError("inode record: bytes after the entry")
+    return r
+
+
+def pack_dirent(parent: int, ino: int, t: int, name: bytes) -> bytes:
+    return _DIRENT_B.pack(parent, ino, t, len(name)) + name
+
+
+def unpack_dirent(payload) -> tuple[int, int, int, bytes]:
+    """(parent, ino, time, name) of a DIRENT_B record."""
+    p, i, t, n = _DIRENT_B.unpack_from(payload)
+    name = bytes(payload[_DIRENT_B.size:])
+    if len(name) != n:
+        raise ValueError("dirent record: name length does not match")
+    return p, i, t, name
+
+
+def pack_ino(ino: int) -> bytes:
+    return _U64.pack(ino)
+
+
+def unpack_ino(payload) -> int:
+    if len(payload) != 8:
+        raise ValueError("inode_del record of the wrong size")
+    return _U64.unpack(payload)[0]
+
+
+class SnapshotHeader:
+    """What a snapshot holds besides the inodes: next_ino, now, zone generations (zone ->
+    generation, non-zero only) and checksum runs (zone -> [(zoff, length, array of CRCs)])."""
+    __slots__ = ("next_ino", "now", "zgen", "csums")
+
+    def __init__(self, next_ino: int, now: int = 0, zgen=None, csums=None):
+        self.next_ino, self.now = next_ino, now
+        self.zgen = zgen or {}
+        self.csums = csums or {}
+
+
+def encode_snapshot(head: SnapshotHeader, count: int, entries) -> bytes:
+    """A snapshot blob: ``entries`` yields ``count`` InodeRec; encoded and compressed as they
+    come, so neither a list of every entry nor the uncompressed image is ever built."""
+    co = zlib.compressobj(1)
+    out = []
+    buf = [SNAP_MAGIC, _SNAPHDR.pack(head.next_ino, head.now), _U32.pack(len(head.zgen))]
+    buf += [_II.pack(z, g) for z, g in sorted(head.zgen.items())]
+    buf.append(_U32.pack(len(head.csums)))
+    for z, runs in sorted(head.csums.items()):
+        buf.append(_II.pack(z, len(runs)))
+        for zoff, length, crcs in runs:
+            if len(crcs) != -(-length // CSUM_PIECE):
+                raise ValueError("checksum run: piece count does not match the length")
+            buf += (_RUN.pack(zoff, length), crcs.tobytes() if hasattr(crcs, "tobytes")
+                    else array("I", crcs).tobytes())
+    buf.append(_U64.pack(count))
+    out.append(co.compress(b"".join(buf)))
+    buf = []
+    size = 0
+    n = 0
+    for r in entries:
+        e = pack_inode(r)
+        buf.append(e)
+        size += len(e)
+        n += 1
+        if size >= (256 << 10):
+            out.append(co.compress(b"".join(buf)))
+            buf, size = [], 0
+    if n != count:
+        raise ValueError(f"snapshot: {n} inode entries for a count of {count}")
+    out.append(co.compress(b"".join(buf)))
+    out.append(co.flush())
+    return b"".join(out)
+
+
+class _Stream:
+    """Decompressed bytes of a snapshot, a window at a time."""
+
+    def __init__(self, blob):
+        self.d = zlib.decompressobj()
+        self.src = memoryview(blob)
+        self.fed = 0
+        self.buf = b""
+        self.pos = 0
+
+    def ensure(self, n: int) -> bool:
+        """At least ``n`` bytes past ``pos`` in ``buf`` (False: the stream ends first)."""
+        while len(self.buf) - self.pos < n:
+            if self.fed >= len(self.src) and not self.d.unconsumed_tail:
+                return False
+            if self.d.unconsumed_tail:
+                more = self.d.decompress(self.d.unconsumed_tail, 4 << 20)
+            else:
+                piece = self.src[self.fed:self.fed + (1 << 20)]
+                self.fed += len(piece)
+                more = self.d.decompress(piece, 4 << 20)
+            if not more and self.fed >= len(self.src) and not self.d.unconsumed_tail:
+                return False
+            self.buf = self.buf[self.pos:] + more
+            self.pos = 0
+        return True
+
+    def take(self, st: struct.Struct):
+        if not self.ensure(st.size):
+            raise ValueError("snapshot ends inside its header")
+        v = st.unpack_from(self.buf, self.pos)
+        self.pos += st.size
+        return v
+
+    def finished(self) -> bool:
+        return not self.ensure(1) and self.d.eof
+
+
+def decode_snapshot(blob) -> tuple[SnapshotHeader, int, object]:
+    """(header, inode count, iterator of InodeRec) of a binary snapshot blob.
+
+    The iterator decompresses and decodes as it goes and raises ValueError on anything
+    malformed: an entry past the end, fewer or more entries than the count, trailing bytes."""
+    s = _Stream(blob)
+    if not s.ensure(len(SNAP_MAGIC)) or s.buf[:4] != SNAP_MAGIC:
+        raise ValueError("not a binary snapshot")
+    s.pos = 4
+    next_ino, now = s.take(_SNAPHDR)
+    (nz,) = s.take(_U32)
+    zgen = dict(s.take(_II) for _ in range(nz))
+    (nzones,) = s.take(_U32)
+    csums = {}
+    for _ in range(nzones):
+        z, nruns = s.take(_II)
+        runs = []
+        for _ in range(nruns):
+            zoff, length = s.take(_RUN)
+            k = -(-length // CSUM_PIECE) * 4
+            if not s.ensure(k):
+                raise ValueError("snapshot ends inside a checksum run")
+            crcs = array("I")
+            crcs.frombytes(s.buf[s.pos:s.pos + k])
+            s.pos += k
+            runs.append((zoff, length, crcs))
+        csums[z] = runs
+    (count,) = s.take(_U64)
+    return SnapshotHeader(next_ino, now, zgen, csums), count, _entries(s, count)
+
+
+def _entries(s: _Stream, count: int):
+    for _ in range(count):
+        while True:
+            try:
+                r, end = unpack_inode_from(s.buf, s.pos)
+                break
+            except Short:
+                # the window ends inside this entry: decompress more, or it is truncated
+                have = len(s.buf) - s.pos
+                if not s.ensure(have + (1 << 16)) and len(s.buf) - s.pos == have:
+                    raise ValueError("snapshot ends inside an inode entry") from None
+        s.pos = end
+        yield r
+    if not s.finished():
+        raise ValueError("snapshot: bytes after the last inode entry")
+
+
+def is_binary_snapshot(blob) -> bool:
+    d = zlib.decompressobj()
+    out = b""
+    try:
+        for i in range(0, min(len(blob), 1 << 20), 4096):
+            out += d.decompress(bytes(blob[i:i + 4096]), 4 - len(out))
+            if len(out) >= 4 or d.eof:
+                break
+    except zlib.error:
+        return False
+    return out[:4] == SNAP_MAGIC

@@ -38,6 +38,8 @@ from ._alloc import Allocator, NoSpace
 from .csums import ZoneChecksums, crcs_of
 from .device import ZoneCond, ZonedDevice
 from .extents import ExtentMap
+from . import namespace as NS
+from .namespace import Inode
 from .superblock import FormatError, Superblock, default_meta_zones
 from .writebuf import Chunks, WriteBuffer
 
@@ -58,78 +60,6 @@ class FsError(OSError):
 
 def now_ns() -> int:
     return time.time_ns()
-
-
-@dataclass(eq=False, slots=True)
-class Inode:
-    ino: int
-    mode: int
-    uid: int = 0
-    gid: int = 0
-    nlink: int = 1
-    size: int = 0
-    atime: int = 0
-    mtime: int = 0
-    ctime: int = 0
-    rdev: int = 0
-    target: bytes = b""
-    xattrs: dict = field(default_factory=dict)
-    hint: H.Hint | None = None
-    policy_src: bytes = b""        # dirs: the last valid .retainz text (stays in force)
-    placed_hint: H.Hint | None = None   # files: the hint data already placed were placed with,
-                                        # when a rename re-derived a different one
-    parent: int = 0
-    name: bytes = b""
-    extents: ExtentMap = field(default_factory=ExtentMap)
-    entries: dict = field(default_factory=dict)    # dirs: name -> ino (insertion order = cookie order)
-    cookies: dict = field(default_factory=dict)    # dirs: name -> stable readdir cookie
-    next_cookie: int = 3
-    # run-time only
-    opens: int = 0
-    lookups: int = 0
-    wbuf: WriteBuffer = field(default_factory=WriteBuffer)
-    dirty: bool = False
-    policy_dirty: bool = False     # a .retainz written/truncated since its last validation
-    inflight: int = 0              # buffered bytes a zone write is moving out right now
-    flushing: object = None        # Future of the background flush of this file, if any
-    flush_err: object = None       # error of a background flush, reported at the next call
-
-    @property
-    def is_dir(self) -> bool:
-        return stat.S_ISDIR(self.mode)
-
-    @property
-    def is_reg(self) -> bool:
-        return stat.S_ISREG(self.mode)
-
-    def attrs(self) -> dict:
-        d = {"i": self.ino, "m": self.mode, "u": self.uid, "g": self.gid, "n": self.nlink,
-             "s": self.size, "a": self.atime, "mt": self.mtime, "c": self.ctime, "r": self.rdev,
-             "p": self.parent, "nm": self.name.decode("latin-1")}
-        if self.target:
-            d["t"] = self.target.decode("latin-1")
-        if self.xattrs:
-            d["x"] = {k.decode("latin-1"): v.decode("latin-1") for k, v in self.xattrs.items()}
-        if self.hint is not None:
-            d["h"] = [self.hint.birth, self.hint.reclaim, self.hint.stream, self.hint.source]
-        if self.policy_src:
-            d["ps"] = self.policy_src.decode("utf-8")
-        if self.placed_hint is not None:
-            p = self.placed_hint
-            d["hp"] = [p.birth, p.reclaim, p.stream, p.source]
-        return d
-
-    def set_attrs(self, d: dict) -> None:
-        self.mode, self.uid, self.gid, self.nlink = d["m"], d["u"], d["g"], d["n"]
-        self.size, self.atime, self.mtime, self.ctime, self.rdev = d["s"], d["a"], d["mt"], d["c"], d["r"]
-        self.parent, self.name = d.get("p", 0), d.get("nm", "").encode("latin-1")
-        self.target = d.get("t", "").encode("latin-1")
-        self.xattrs = {k.encode("latin-1"): v.encode("latin-1") for k, v in d.get("x", {}).items()}
-        h = d.get("h")
-        self.hint = H.Hint(int(h[0]), float(h[1]), int(h[2]), h[3]) if h else None
-        self.policy_src = d.get("ps", "").encode("utf-8")
-        hp = d.get("hp")
-        self.placed_hint = H.Hint(int(hp[0]), float(hp[1]), int(hp[2]), hp[3]) if hp else None
 
 
 @dataclass
@@ -169,7 +99,7 @@ class Store:
                 dev.reset(z)
         t = now_ns()
         root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, nlink=2, atime=t, mtime=t, ctime=t)
-        snap = Store._encode_snapshot({ROOT_INO: root}, ROOT_INO + 1)
+        snap = NS.encode_snapshot({ROOT_INO: root}, R.SnapshotHeader(ROOT_INO + 1))
         J.Journal(dev, sb, lambda: snap).format()
         return sb
 
@@ -246,18 +176,32 @@ class Store:
     # ------------------------------------------------------------------ recovery
     def _load(self, info) -> None:
         self._load_snapshot(info.snapshot)
-        for rtype, payload in info.records:
+        info.snapshot = None                 # (decoded: its memory goes before the replay)
+        for rtype, payload in info.records.consume():
             self._apply(rtype, payload)
             self.replayed_records += 1
         # A file's size is journaled at close/fsync, its EXTENT records whenever data reach a
         # zone (the periodic flush makes them durable): after a crash a file may have committed
         # extents past the size last journaled.  Those bytes were written by the application
         # (and are checksummed), so the size covers them — never live bytes nobody can read.
+        now = self.now
+        live: dict[int, list] = {}
         for ino in self.inodes.values():
-            if ino.extents:
-                end = ino.extents.exts[-1].end
+            m = ino._ext                 # (the shared empty map of extent-less files is skipped)
+            if m:
+                end = m.exts[-1].end
                 if end > ino.size:
                     ino.size = end
+                for e in m.exts:
+                    z = live.get(e.zone)
+                    if z is None:
+                        live[e.zone] = [e]
+                    else:
+                        z.append(e)
+            h = ino.hint
+            if h is not None and h.birth > now:
+                now = h.birth
+        self.now = now
         # allocator summaries from the extent map and the device's write pointers; the
         # metadata pair holds two active zones
         data_active = self.dev.max_active - 2 if self.dev.max_active else 0
@@ -265,12 +209,6 @@ class Store:
                                max_active=data_active, lam=self.opts.lam,
                                hint_grid=self.opts.hint_grid, gc_reserve=self.opts.gc_reserve,
                                fullscan=self.opts.fullscan, block_size=self.bs)
-        live: dict[int, list] = {}
-        for ino in self.inodes.values():
-            for e in ino.extents:
-                live.setdefault(e.zone, []).append(e)
-            if ino.hint is not None and ino.hint.birth > self.now:
-                self.now = ino.hint.birth
         repaired = []
         for z in range(self.meta_zones, self.dev.nr_zones):
             zone = self.dev.zone(z)
@@ -347,45 +285,24 @@ class Store:
                   (": " + ", ".join(files[:5]) + (" ..." if len(files) > 5 else "")) if files else "")
 
     def _load_snapshot(self, snap: bytes) -> None:
-        doc = R.unpack_snapshot(snap)
-        self.next_ino = doc["next_ino"]
-        self.now = doc.get("now", 0)
-        for z, g in doc.get("zg", {}).items():
-            self.zgen[int(z)] = g
-        self.csums.load(doc.get("cs", {}))
-        for d in doc["inodes"]:
-            ino = Inode(d["i"], d["m"])
-            ino.set_attrs(d)
-            for off, length, zone, zoff, hint in d.get("e", ()):
-                ino.extents.add(off, length, zone, zoff, float(hint))
-            self.inodes[ino.ino] = ino
-        for d in doc["inodes"]:
-            parent = self.inodes[d["i"]]
-            for name, child in d.get("d", {}).items():
-                self._link_entry(parent, name.encode("latin-1"), child)
-
-    @staticmethod
-    def _encode_snapshot(inodes: dict, next_ino: int, now: int = 0, zgen=None,
-                         csums: ZoneChecksums | None = None) -> bytes:
-        out = []
-        for ino in inodes.values():
-            d = ino.attrs()
-            if ino.extents:
-                d["e"] = [e.as_list() for e in ino.extents]
-            if ino.entries:
-                d["d"] = {k.decode("latin-1"): v for k, v in ino.entries.items()}
-            out.append(d)
-        doc = {"next_ino": next_ino, "now": now, "inodes": out}
-        if zgen is not None:
-            doc["zg"] = {str(z): g for z, g in enumerate(zgen) if g}
-        if csums is not None:
-            doc["cs"] = csums.encode()
-        return R.pack_snapshot(doc)
+        try:
+            head, inodes = NS.load_snapshot(snap)
+        except (ValueError, KeyError, TypeError) as e:
+            # the frames passed their CRCs, so this is a bug or a forged image: never guess
+            raise J.JournalError(f"metadata snapshot does not decode: {e}") from None
+        self.inodes = inodes
+        self.next_ino = head.next_ino
+        self.now = head.now
+        for z, g in head.zgen.items():
+            self.zgen[z] = g
+        self.csums.load(head.csums)
 
     def _snapshot(self) -> bytes:
         with self.lock:
-            return self._encode_snapshot(self.inodes, self.next_ino, self.now, self.zgen,
-                                         self.csums)
+            head = R.SnapshotHeader(self.next_ino, self.now,
+                                    {z: g for z, g in enumerate(self.zgen) if g},
+                                    self.csums.items())
+            return NS.encode_snapshot(self.inodes, head)
 
     # ------------------------------------------------------------------ journal apply
     def _do(self, rtype: int, payload: bytes):
@@ -397,11 +314,36 @@ class Store:
         return res
 
     def _link_entry(self, parent: Inode, name: bytes, ino: int) -> None:
-        parent.entries[name] = ino
-        parent.cookies[name] = parent.next_cookie
-        parent.next_cookie += 1
+        parent.link(name, ino)
 
     def _apply(self, rtype: int, payload: bytes):
+        if rtype == R.INODE_B:
+            r = R.unpack_inode(payload)
+            i = r.fixed[0]
+            inode = self.inodes.get(i)
+            if inode is None:
+                inode = self.inodes[i] = Inode(i, r.fixed[1])
+                if i >= self.next_ino:
+                    self.next_ino = i + 1
+            inode.set_rec(r)
+            p = self.inodes.get(inode.parent)
+            if p is not None:
+                inode.parent = p.ino           # one int object per inode number
+            return inode
+        if rtype == R.DIRENT_B:
+            p, i, t, name = R.unpack_dirent(payload)
+            parent = self.inodes[p]
+            child = self.inodes.get(i)
+            if child is not None:
+                i = child.ino              # one int object per inode number
+                if child.name == name:
+                    name = child.name
+            parent.link(name, i)
+            parent.mtime = parent.ctime = t
+            return None
+        if rtype == R.INODE_DEL_B:
+            inode = self.inodes.pop(R.unpack_ino(payload), None)
+            return inode.extents.clear() if inode is not None else []
         if rtype == R.EXTENT:
             ino, off, zone, zgen, zoff, length, hint = R.unpack_extent(payload)
             if zgen != self.zgen[zone]:
@@ -411,9 +353,7 @@ class Store:
                 log.error("journal: extent of inode %d in zone %d generation %d, but the zone "
                           "is at generation %d; ignored", ino, zone, zgen, self.zgen[zone])
                 return []
-            inode = self.inodes[ino]
-            dead = inode.extents.add(off, length, zone, zoff, hint)
-            return dead
+            return self.inodes[ino].extmap().add(off, length, zone, zoff, hint)
         if rtype == R.CSUM:
             zone, zgen, zoff, length, crcs = R.unpack_csum(payload)
             if zgen == self.zgen[zone]:
@@ -442,18 +382,17 @@ class Store:
             d = R.unpack_json(payload)
             parent = self.inodes[d["p"]]
             name = d["n"].encode("latin-1")
-            parent.entries.pop(name, None)
-            parent.cookies.pop(name, None)
+            if name in parent.entries:
+                parent.unlink(name)
             parent.mtime = parent.ctime = d["t"]
             return None
         if rtype == R.RENAME:
             d = R.unpack_json(payload)
             op, np_ = self.inodes[d["op"]], self.inodes[d["np"]]
             on, nn = d["on"].encode("latin-1"), d["nn"].encode("latin-1")
-            ino = op.entries.pop(on)
-            op.cookies.pop(on, None)
-            np_.entries.pop(nn, None)
-            np_.cookies.pop(nn, None)
+            ino = op.unlink(on)
+            if nn in np_.entries:
+                np_.unlink(nn)
             self._link_entry(np_, nn, ino)
             child = self.inodes[ino]
             child.parent, child.name = np_.ino, nn
@@ -548,7 +487,7 @@ class Store:
             raise FsError(errno.ENAMETOOLONG)
 
     def _save_inode(self, inode: Inode) -> None:
-        self._do(R.INODE, R.pack_json(inode.attrs()))
+        self._do(R.INODE_B, R.pack_inode(inode.to_rec(False), with_tables=False))
 
     def _dead(self, pieces) -> None:
         """Account superseded/freed bytes; queue zones that hold no live data for reset."""
@@ -591,8 +530,7 @@ class Store:
                     name=name, size=len(target))
         # directory hint xattrs are inherited by new children (runtime tags the gen dir)
         self._save_inode(ino)
-        self._do(R.DIRENT_ADD, R.pack_json({"p": parent.ino, "n": name.decode("latin-1"),
-                                            "i": ino.ino, "t": t}))
+        self._do(R.DIRENT_B, R.pack_dirent(parent.ino, ino.ino, t, name))
         if stat.S_ISDIR(mode):
             parent.nlink += 1
             self._save_inode(parent)
@@ -638,8 +576,7 @@ class Store:
             inode.nlink += 1
             inode.ctime = t
             self._save_inode(inode)
-            self._do(R.DIRENT_ADD, R.pack_json({"p": p.ino, "n": new_name.decode("latin-1"),
-                                                "i": ino, "t": t}))
+            self._do(R.DIRENT_B, R.pack_dirent(p.ino, ino, t, new_name))
             return inode
 
     def _drop_link(self, inode: Inode) -> None:
@@ -653,10 +590,11 @@ class Store:
         self._save_inode(inode)
 
     def _free_inode(self, inode: Inode) -> None:
-        inode.wbuf.clear()
+        if inode.has_buffered():
+            inode.wbuf.clear()
         if inode.is_dir:
             self.policies.pop(inode.ino, None)
-        dead = self._do(R.INODE_DEL, R.pack_json({"i": inode.ino}))
+        dead = self._do(R.INODE_DEL_B, R.pack_ino(inode.ino))
         self._dead(dead)
 
     def _child(self, parent: int, name: bytes) -> tuple[Inode, Inode]:
@@ -850,7 +788,7 @@ class Store:
                     raise FsError(errno.EINVAL, str(e)) from None
             if len(name) > 255 or len(value) > 65536:
                 raise FsError(errno.ERANGE)
-            inode.xattrs[name] = bytes(value)
+            inode.set_xattr(name, bytes(value))
             inode.ctime = now_ns()
             self._save_inode(inode)
 
@@ -895,7 +833,7 @@ class Store:
             inode = self._get(ino)
             if name not in inode.xattrs:
                 raise FsError(errno.ENODATA)
-            del inode.xattrs[name]
+            inode.del_xattr(name)
             inode.ctime = now_ns()
             self._save_inode(inode)
 
@@ -1749,7 +1687,7 @@ class Store:
 
     def close(self) -> None:
         """Unmount: commit every buffered file, flush the journal, release the device."""
-        for ino in [i.ino for i in self.inodes.values() if i.wbuf or i.flushing is not None]:
+        for ino in [i.ino for i in self.inodes.values() if i.has_buffered()]:
             try:
                 self.commit(ino, durable=False)
             except OSError as e:
