@@ -322,6 +322,19 @@ class Inode:
             self._rt = RunState()
         self._rt.wbuf = b
 
+    def durable_size(self) -> int:
+        """The size a journal record may carry: never past bytes that are only in the write
+        buffer.  A snapshot or an INODE record written by another operation (a rename, a
+        chmod, a roll) while a file's tail is still buffered would otherwise make a crash
+        leave a size whose last bytes read as zeros — wrong bytes, not a short file (the
+        fault campaign found it).  A size set by truncate past the buffer is kept."""
+        r = self._rt
+        b = r.wbuf if r is not None else None
+        if not b or b.end < self.size:
+            return self.size
+        ext = self._ext
+        return max(b.off, ext.exts[-1].end if ext else 0)
+
     def has_buffered(self) -> bool:
         """Buffered bytes or a background flush, without creating the open-file state."""
         r = self._rt
@@ -343,7 +356,7 @@ class Inode:
     def to_rec(self, tables: bool = True) -> R.InodeRec:
         x = self._x
         h, p = self.hint, (x.placed_hint if x is not None else None)
-        r = R.InodeRec((self.ino, self.mode, self.uid, self.gid, self.nlink, self.size,
+        r = R.InodeRec((self.ino, self.mode, self.uid, self.gid, self.nlink, self.durable_size(),
                         self.atime, self.mtime, self.ctime, x.rdev if x is not None else 0,
                         self.parent), self.name)
         if h is not None:
@@ -400,7 +413,7 @@ class Inode:
     # -- the JSON form (format v2 images written before the binary records; still read)
     def attrs(self) -> dict:
         d = {"i": self.ino, "m": self.mode, "u": self.uid, "g": self.gid, "n": self.nlink,
-             "s": self.size, "a": self.atime, "mt": self.mtime, "c": self.ctime, "r": self.rdev,
+             "s": self.durable_size(), "a": self.atime, "mt": self.mtime, "c": self.ctime, "r": self.rdev,
              "p": self.parent, "nm": self.name.decode("latin-1")}
         if self.target:
             d["t"] = self.target.decode("latin-1")

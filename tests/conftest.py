@@ -12,6 +12,7 @@ done); on failure ``fusermount3 -uz`` and SIGKILL of the daemon we started (by p
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import pathlib
@@ -164,6 +165,12 @@ class Mount:
 
     def status(self) -> dict:
         import json
+        for _ in range(5):     # the live document may grow between getxattr's two calls
+            try:
+                return json.loads(xattr.getxattr(self.path, "user.retainz.status"))
+            except OSError as e:
+                if e.errno != errno.ERANGE:
+                    raise
         return json.loads(xattr.getxattr(self.path, "user.retainz.status"))
 
     def daemon_log(self) -> str:

@@ -479,3 +479,17 @@ def test_readahead_stays_set_after_fuse_init(mounted):
         (mounted / "big").write_bytes(data)
         assert (mounted / "big").read_bytes() == data
         mounted.remount()
+
+
+def test_status_xattr_size_survives_getxattrs_two_calls(mounted):
+    """getxattr(2) users (getfattr, the xattr package) ask for the size, then the value; the
+    live status document used to grow in between (ERANGE under a busy mount).  Its size is a
+    1 KiB multiple, so many updates in a row leave it unchanged."""
+    sizes = set()
+    for i in range(50):
+        (mounted / f"f{i}").write_bytes(b"x" * (i * 997))
+        n = len(xattr.getxattr(mounted.path, "user.retainz.status"))
+        assert n % 1024 == 0
+        sizes.add(n)
+        assert json.loads(xattr.getxattr(mounted.path, "user.retainz.status"))["files"] >= i
+    assert len(sizes) <= 2

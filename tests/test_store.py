@@ -246,3 +246,30 @@ def test_torn_last_flush_and_damage_in_the_middle(tmp_path):
     s = Store(dev, StoreOptions(readonly=True))      # what is intact stays readable
     assert s.meta_corrupt and read_all(s, a) == b"first"
     dev.close()
+
+
+@pytest.mark.parametrize("how", ["rename", "chmod", "roll"])
+def test_buffered_tail_never_journaled_as_size(tmp_path, how):
+    """A log file's tail is still in its write buffer when another operation journals the
+    inode (rename, chmod) or a roll snapshots it; after a crash the file must be the
+    acknowledged prefix — never a size whose last bytes read as zeros (found by the kill
+    campaign: 576 zero bytes at the end of a session log)."""
+    path, dev, s = fresh(tmp_path)
+    head, tail = os.urandom(10_000), os.urandom(576)
+    ino = put(s, 1, b"log", head)                          # fsynced
+    s.open(ino)
+    assert s.buffer_write(ino, len(head), tail) == len(tail)   # buffered, not in a zone
+    if how == "rename":
+        s.rename(1, b"log", 1, b"log2")
+    elif how == "chmod":
+        s.setattr(ino, mode=0o600)
+    else:
+        with s.io_lock:
+            s.journal.roll()
+    s.sync()                                               # the records are durable
+    assert s.getattr(ino).size == len(head) + len(tail)    # the running mount sees the tail
+    dev, s2 = reopen(path, dev, s, clean=False)            # crash: the buffer is lost
+    got = s2.getattr(ino)
+    assert got.size == len(head)
+    assert s2.read(ino, 0, 1 << 20) == head
+    assert s2.check() == []
