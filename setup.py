@@ -21,7 +21,7 @@ setup(
                       "numpy>=1.24",      # replay's pattern bytes
                       "regex>=2023.0",    # .retainz regexes with a match timeout
                       "prometheus-client>=0.17",    # -o metrics=HOST:PORT
-                      "xattr>=0.10"],     # user-space xattr calls (runtime, hints command)
+                      "xattr>=0.10"],     # user-space xattr calls (runtime, operator commands)
     extras_require={"test": ["pytest>=8", "hypothesis>=6",
                              # tests/test_frameworks.py: the real framework packages
                              "lightning>=2.2", "transformers>=4.46", "accelerate>=0.26",

@@ -7,6 +7,8 @@ import math
 import os
 import sys
 
+import xattr
+
 from .common import die, find_mount_of, is_retainzfs_mount, no_superblock_message
 
 STATUS_XATTR = "user.retainz.status"
@@ -14,7 +16,7 @@ STATUS_XATTR = "user.retainz.status"
 
 def _status_from_mount(mnt: str) -> dict:
     try:
-        return json.loads(os.getxattr(mnt, STATUS_XATTR))
+        return json.loads(xattr.getxattr(mnt, STATUS_XATTR))
     except OSError as e:
         die(f"{mnt}: cannot read status from the mount: {e.strerror}")
 

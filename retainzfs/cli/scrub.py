@@ -19,6 +19,8 @@ import stat
 import sys
 import time
 
+import xattr
+
 from .common import die, find_mount_of, is_retainzfs_mount, mount_root
 
 READ = 4 << 20
@@ -42,7 +44,7 @@ def _bar(total: int, enabled: bool, desc: str):
 
 def _status(root: str) -> dict:
     try:
-        return json.loads(os.getxattr(root, STATUS_XATTR))
+        return json.loads(xattr.getxattr(root, STATUS_XATTR))
     except (OSError, ValueError) as e:
         die(f"{root}: cannot read status from the mount: {getattr(e, 'strerror', None) or e}")
 

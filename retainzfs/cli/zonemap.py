@@ -14,6 +14,8 @@ import math
 import os
 import shutil
 
+import xattr
+
 from .common import die
 
 PAGE_XATTR = "user.retainz.zonemap."
@@ -28,7 +30,7 @@ def fetch(path: str, is_mount: bool) -> dict:
         rows, first, out = [], 0, None
         while True:
             try:
-                page = json.loads(os.getxattr(path, PAGE_XATTR + str(first)))
+                page = json.loads(xattr.getxattr(path, PAGE_XATTR + str(first)))
             except OSError as e:
                 die(f"{path}: cannot read the zone map from the mount: {e.strerror}")
             out = out or page
