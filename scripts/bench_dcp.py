@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Real PyTorch DCP save and load on retainzfs against a plain directory on the same disk (issue 10).
+
+A state dict of ``--size`` (default 200 MiB, float32 tensors of 1-16 MiB) is saved with
+``torch.distributed.checkpoint.save`` (``FileSystemWriter(thread_count=N)``, N = 1 and 4) and
+loaded back with ``dcp.load`` after the page cache is dropped, on a fresh retainzfs mount of an
+emulated image and in a plain ext4 directory, alternating ``--rounds`` times.  Printed per
+figure: median seconds on each, the time ratio retainzfs / plain (target <= 1.1), and for
+retainzfs the daemon's CPU seconds per GiB moved and its peak RSS.
+
+    python3 scripts/bench_dcp.py                    # 200 MiB, thread_count 1 and 4, 2 rounds
+    python3 scripts/bench_dcp.py --size 512M --rounds 3 --json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MiB = 1 << 20
+TARGET = 1.1
+
+
+def drop_caches() -> None:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        pass
+
+
+def daemon_pid(img: str) -> int | None:
+    want = os.path.realpath(img)
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            cmd = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
+            if not any(b"mount.retainzfs" in a for a in cmd[:3]):
+                continue
+            if any(os.path.realpath(f"/proc/{d}/fd/{fd}") == want
+                   for fd in os.listdir(f"/proc/{d}/fd")):
+                return int(d)
+        except OSError:
+            continue
+    return None
+
+
+def cpu_seconds(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def peak_rss(pid: int | None) -> int:
+    if pid is None:
+        return 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def make_state(size: int):
+    import torch
+    g = torch.Generator().manual_seed(0)
+    state, left, i = {}, size, 0
+    while left > 0:
+        n = min(left, (1 + i % 16) * MiB)
+        state[f"layer{i}.weight"] = torch.randn(n // 4, generator=g)
+        left -= n
+        i += 1
+    return state
+
+
+def one_round(root: str, state: dict, threads: int, pid: int | None) -> dict:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    d = os.path.join(root, f"step-{threads}")
+    c0 = cpu_seconds(pid)
+    t = time.perf_counter()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(d, thread_count=threads))
+    save_s = time.perf_counter() - t
+    c1 = cpu_seconds(pid)
+    drop_caches()
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    t = time.perf_counter()
+    dcp.load(target, storage_reader=dcp.FileSystemReader(d))
+    load_s = time.perf_counter() - t
+    c2 = cpu_seconds(pid)
+    assert all(torch.equal(target[k], v) for k, v in state.items()), "load differs from save"
+    shutil.rmtree(d)
+    return {"save_s": save_s, "load_s": load_s, "save_cpu": c1 - c0, "load_cpu": c2 - c1}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="200M")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", default="1,4", help="FileSystemWriter thread_count values")
+    ap.add_argument("--workdir", default="/var/tmp")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    import warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    torch.set_num_threads(1)
+    from retainzfs.cli.common import parse_size
+    size = parse_size(a.size)
+    threads = [int(x) for x in a.threads.split(",")]
+    state = make_state(size)
+    work = tempfile.mkdtemp(prefix="bench_dcp.", dir=a.workdir)
+    img, mnt, plain = (os.path.join(work, n) for n in ("img.zns", "mnt", "plain"))
+    os.makedirs(mnt)
+    os.makedirs(plain)
+    res = {(k, t): [] for k in ("retainzfs", "plain") for t in threads}
+    rss = 0
+    try:
+        for r in range(a.rounds):
+            for kind in (("retainzfs", "plain") if r % 2 == 0 else ("plain", "retainzfs")):
+                if kind == "plain":
+                    for t in threads:
+                        res[(kind, t)].append(one_round(plain, state, t, None))
+                    continue
+                subprocess.run(["mkfs.retainzfs", "-q", "--force", "--size",
+                                str(max(2 << 30, 6 * size)), "--zone-size", "64M", img], check=True)
+                subprocess.run(["mount.retainzfs", img, mnt], check=True)
+                pid = daemon_pid(img)
+                try:
+                    for t in threads:
+                        res[(kind, t)].append(one_round(mnt, state, t, pid))
+                    rss = max(rss, peak_rss(pid))
+                finally:
+                    subprocess.run(["umount", mnt], check=True)
+                    time.sleep(0.5)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    gib = size / (1 << 30)
+    out = {"size": size, "rounds": a.rounds, "daemon_peak_rss": rss, "figures": {}}
+    for t in threads:
+        for op in ("save", "load"):
+            rz = statistics.median(x[f"{op}_s"] for x in res[("retainzfs", t)])
+            pl = statistics.median(x[f"{op}_s"] for x in res[("plain", t)])
+            cpu = statistics.median(x[f"{op}_cpu"] for x in res[("retainzfs", t)])
+            out["figures"][f"dcp_{op}_threads{t}"] = {
+                "retainzfs_s": rz, "plain_s": pl, "time_ratio": rz / pl if pl else 0.0,
+                "target": TARGET, "daemon_cpu_s_per_gib": cpu / gib}
+    if a.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"dcp.save / dcp.load of {size / MiB:.0f} MiB, {a.rounds} alternating rounds; "
+          f"time ratio = retainzfs time / plain-file time (target <= {TARGET})")
+    for k, v in out["figures"].items():
+        ok = "meets" if v["time_ratio"] <= TARGET else "above"
+        print(f"  {k:20s} retainzfs {v['retainzfs_s']:6.2f} s  plain {v['plain_s']:6.2f} s  "
+              f"ratio {v['time_ratio']:.2f} ({ok})  daemon CPU {v['daemon_cpu_s_per_gib']:.2f} s/GiB")
+    print(f"  daemon peak RSS {rss / MiB:.0f} MiB (target 300)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
