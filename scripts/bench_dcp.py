@@ -23,52 +23,10 @@ import sys
 import tempfile
 import time
 
+from benchutil import cpu_seconds, daemon_pid, drop_caches, peak_rss
+
 MiB = 1 << 20
 TARGET = 1.1
-
-
-def drop_caches() -> None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        pass
-
-
-def daemon_pid(img: str) -> int | None:
-    want = os.path.realpath(img)
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            cmd = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
-            if not any(b"mount.retainzfs" in a for a in cmd[:3]):
-                continue
-            if any(os.path.realpath(f"/proc/{d}/fd/{fd}") == want
-                   for fd in os.listdir(f"/proc/{d}/fd")):
-                return int(d)
-        except OSError:
-            continue
-    return None
-
-
-def cpu_seconds(pid: int | None) -> float:
-    if pid is None:
-        return 0.0
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def peak_rss(pid: int | None) -> int:
-    if pid is None:
-        return 0
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def make_state(size: int):

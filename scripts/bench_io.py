@@ -24,17 +24,10 @@ import tempfile
 import threading
 import time
 
+from benchutil import drop_caches
+
 MiB = 1 << 20
 REQ = 1 << 20
-
-
-def drop_caches() -> None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        pass
 
 
 def write_file(path: str, size: int, buf: bytes) -> None:

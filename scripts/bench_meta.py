@@ -28,38 +28,12 @@ import sys
 import tempfile
 import time
 
+from benchutil import daemon_pid, peak_rss
+
 MiB = 1 << 20
 TARGET_JOURNAL_PER_FILE = 1024          # bytes, amortized
 TARGET_REMOUNT_PER_100K = 1.0           # seconds
 TARGET_RSS = 300 * MiB
-
-
-def _rss_peak(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _daemon_pid(img: str) -> int | None:
-    want = os.path.realpath(img)
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            cmd = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
-            if not any(b"mount.retainzfs" in a for a in cmd[:3]):
-                continue
-            if any(os.path.realpath(f"/proc/{d}/fd/{fd}") == want
-                   for fd in os.listdir(f"/proc/{d}/fd")):
-                return int(d)
-        except OSError:
-            continue
-    return None
 
 
 def _status(mnt: str) -> dict:
@@ -73,7 +47,7 @@ def bench_mount(n: int, work: str) -> dict:
                     "--max-active", "8", img], check=True)
     log = os.path.join(work, "daemon.log")
     subprocess.run(["mount.retainzfs", img, mnt, "-o", f"log={log}"], check=True)
-    pid = _daemon_pid(img)
+    pid = daemon_pid(img)
     j0 = _status(mnt)["journal_bytes"]
     enospc = 0
     t0 = time.perf_counter()
@@ -103,7 +77,7 @@ def bench_mount(n: int, work: str) -> dict:
     os.sync()
     time.sleep(1.5)
     st = _status(mnt)
-    rss = _rss_peak(pid) if pid else 0
+    rss = peak_rss(pid) if pid else 0
     subprocess.run(["umount", mnt], check=True)
     while pid and os.path.exists(f"/proc/{pid}"):
         time.sleep(0.05)
