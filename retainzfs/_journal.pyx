@@ -282,6 +282,7 @@ class LogState:
     def __init__(self):
         self.sb = None
         self.snapshot = None          # bytes of the newest complete snapshot
+        self.snapshot_partial = False  # only a prefix of it survived (read-only mounts only)
         self.records = Records()      # (type, payload) after it, in order
         self.problems = []            # repaired (single-copy) damage
         self.corrupt = None           # why acknowledged metadata is missing (None: intact)
@@ -335,8 +336,18 @@ def load(dev, sb):
         else:
             i += 1
     if snap is None:
-        raise JournalError("no complete metadata snapshot found (corrupt journal)")
-    first, after, parts = snap
+        snap = _broken_snapshot(frames)
+        if snap is None:
+            raise JournalError("no complete metadata snapshot found (corrupt journal)")
+        first, after, parts, gap = snap
+        # The newest snapshot lost frames in both copies.  A read-only mount can still serve
+        # what is provable: the snapshot's intact prefix (one zlib stream, so nothing after
+        # the gap decodes) and every record logged after the snapshot.
+        st.snapshot_partial = True
+        st.corrupt = (f"metadata snapshot frames {gap[0]}..{gap[1]} are damaged in both "
+                      f"copies")
+    else:
+        first, after, parts = snap
     st.snapshot = b"".join(parts)
     del parts, snap
     st.snap_bytes = sum(len(frames[k][3]) for k in range(first, after))
@@ -347,6 +358,8 @@ def load(dev, sb):
     begin_seq = frames[first][0]
     # everything after the snapshot must be there, numbered without gaps
     prev = frames[after - 1][0]
+    if st.snapshot_partial and after < n and frames[after][0] != prev + 1:
+        prev = frames[after][0] - 1       # the hole in the snapshot ends right before it
     for k in range(after, n):
         seq, p, off, body = frames[k]
         if seq == prev:
@@ -379,6 +392,34 @@ def load(dev, sb):
     st.active_wp = max(za.wp, zb.wp)
     st.uneven = za.wp != zb.wp or st.torn or bool(st.problems)
     return st
+
+
+def _broken_snapshot(frames):
+    """(first, after, prefix_parts, (gap_from, gap_to)) of the newest snapshot whose frames
+    have a gap, when its first frame (the header) survived and frames follow the gap; None
+    otherwise.  ``after`` indexes the first frame of the records after the snapshot (past
+    SNAP_END, or the first frame after the hole that is not a snapshot chunk)."""
+    cdef Py_ssize_t n = len(frames), i, j
+    for i in range(n - 1, -1, -1):
+        if _first_type(frames[i][3]) != R.SNAP_BEGIN:
+            continue
+        parts, gap = [], None
+        j = i
+        while j < n:
+            if j > i and frames[j][0] != frames[j - 1][0] + 1:
+                if gap is not None:
+                    return None           # two holes: the log after it is not contiguous
+                gap = (frames[j - 1][0] + 1, frames[j][0] - 1)
+                if _first_type(frames[j][3]) not in (R.SNAP_CHUNK, R.SNAP_END):
+                    return (i, j, parts, gap)    # SNAP_END was in the hole; records follow
+            for t, p in _recs(frames[j][3]):
+                if t == R.SNAP_CHUNK and gap is None:
+                    parts.append(p)
+                elif t == R.SNAP_END:
+                    return (i, j + 1, parts, gap) if gap is not None else None
+            j += 1
+        return None
+    return None
 
 
 def _first_type(body):

@@ -124,6 +124,8 @@ class ZonedDevice(ABC):
     max_active: int
     bytes_written: int
     resets: int
+    #: zone -> why its state as read from the medium was not valid (image backend only)
+    damaged: dict[int, str] = {}
 
     # -- setup -------------------------------------------------------------------------
 
@@ -319,6 +321,8 @@ class ZonedDevice(ABC):
             self._set_cond(zone, _EMPTY)
             self.resets += 1
             self._persist(zone)
+            if self.damaged:
+                self.damaged.pop(zone, None)        # the entry is rewritten
             self._after_mgmt(_OP_RESET, zone, old_wp)
 
     def finish(self, zone: int) -> None:
@@ -552,25 +556,37 @@ class ImageZonedDevice(ZonedDevice):
         self._fd = fd
         self._table_off = table_off
         self._data_off = data_off
-        self._init_state(path, bs, zsize, zcap, nr, max_open, max_active,
-                         *self._read_table(path, fd, table_off, nr, zcap), [zcap] * nr, [zsize] * nr)
+        wps, conds, self.damaged = self._read_table(path, fd, table_off, nr, zcap)
+        self._init_state(path, bs, zsize, zcap, nr, max_open, max_active, wps, conds,
+                         [zcap] * nr, [zsize] * nr)
 
     @staticmethod
     def _read_table(path: str, fd: int, table_off: int, nr: int,
-                    zcap: int) -> tuple[list[int], list[int]]:
+                    zcap: int) -> tuple[list[int], list[int], dict[int, str]]:
+        """(write pointers, conditions, damaged entries).  An entry that is not a valid zone
+        state (a flipped byte in the image) reads as FULL: every byte of the zone stays
+        readable — the store checks what it reads against its checksums and its metadata
+        mirror — nothing is written into it, and a reset or ``repair_entry`` rewrites it."""
         raw = os.pread(fd, nr * _ENTRY.size, table_off)
         if len(raw) != nr * _ENTRY.size:
             raise DeviceError(f"{path}: zoned image is truncated (zone table)")
         wps: list[int] = []
         conds: list[int] = []
+        damaged: dict[int, str] = {}
         for i, (wp, cond) in enumerate(_ENTRY.iter_unpack(raw)):
             if (cond not in _VALID_COND or cond == _NOT_WP or wp > zcap
                     or (cond == _EMPTY and wp) or (cond == _FULL and wp != zcap)):
-                raise DeviceError(f"{path}: zone table entry {i} is corrupt "
-                                  f"(wp={wp}, cond={cond:#x})")
+                damaged[i] = f"zone table entry {i} is corrupt (wp={wp}, cond={cond:#x})"
+                wp, cond = zcap, _FULL
             wps.append(wp)
             conds.append(cond)
-        return wps, conds
+        return wps, conds, damaged
+
+    def repair_entry(self, zone: int) -> None:
+        """Rewrite a damaged table entry with the state the zone is used in now."""
+        with self._lock:
+            self._persist(zone)
+            self.damaged.pop(zone, None)
 
     # -- hooks -------------------------------------------------------------------------
 
@@ -622,8 +638,8 @@ class ImageZonedDevice(ZonedDevice):
                     os.pwrite(self._fd, zeros[:old_wp - pos], off + pos)
 
     def _reload(self) -> None:
-        wps, conds = self._read_table(self.path, self._fd, self._table_off, self.nr_zones,
-                                      self.zone_capacity)
+        wps, conds, self.damaged = self._read_table(self.path, self._fd, self._table_off,
+                                                    self.nr_zones, self.zone_capacity)
         self._set_table(wps, conds, self._cap, self._size)
 
     def flush(self) -> None:

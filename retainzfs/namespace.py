@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import stat
+import zlib
 from types import MappingProxyType
 
 from . import hints as H
@@ -449,22 +450,32 @@ def encode_snapshot(inodes: dict, head: R.SnapshotHeader) -> bytes:
     return R.encode_snapshot(head, len(inodes), (i.to_rec() for i in inodes.values()))
 
 
-def load_snapshot(blob) -> tuple[R.SnapshotHeader, dict[int, Inode]]:
+def load_snapshot(blob, partial: bool = False) -> tuple[R.SnapshotHeader, dict[int, Inode]]:
     """(header, inodes) of a snapshot blob, binary or (older images) JSON; ValueError when the
     blob does not decode.  Directory entries are linked (sharing the child's name and inode
-    number objects); readdir cookies come on the first readdir."""
+    number objects); readdir cookies come on the first readdir.
+
+    ``partial``: the blob is the intact prefix of a snapshot whose later frames are lost
+    (read-only recovery): the inodes decoded before the cut are returned (the header must be
+    whole); a directory keeps only the entries whose inode survived."""
     if not R.is_binary_snapshot(blob):
+        if partial:
+            raise ValueError("a damaged snapshot in the old JSON form cannot be read in part")
         return _load_json_snapshot(blob)
     head, count, it = R.decode_snapshot(blob)
     inodes: dict[int, Inode] = {}
     dirs = []
     from_rec = Inode.from_rec
-    for r in it:
-        ino = from_rec(r)
-        inodes[ino.ino] = ino
-        if r.dirents:
-            dirs.append((ino, r.dirents))
-    if len(inodes) != count:
+    try:
+        for r in it:
+            ino = from_rec(r)
+            inodes[ino.ino] = ino
+            if r.dirents:
+                dirs.append((ino, r.dirents))
+    except (ValueError, zlib.error):
+        if not partial:
+            raise
+    if len(inodes) != count and not partial:
         raise ValueError("snapshot: an inode number appears twice")
     get = inodes.get
     for ino in inodes.values():           # one int object per inode number
@@ -482,6 +493,8 @@ def load_snapshot(blob) -> tuple[R.SnapshotHeader, dict[int, Inode]]:
                 i = c.ino
                 if c.parent == dino and c.name == name:
                     name = c.name
+            elif partial:
+                continue                  # its inode was in the lost part
             e[name] = i
     return head, inodes
 

@@ -156,6 +156,7 @@ class Store:
         self.journal_truncated = info.torn
         self.meta_problems = list(info.problems)
         self.meta_corrupt = info.corrupt
+        self.recovered_partial: dict | None = None   # read-only recovery of a damaged snapshot
         self.tuning: dict = {}                  # kernel-side settings the mount made (status)
         # zone -> {"reason", "valid_upto", "files"}: zones a failure took out of service
         self.bad_zones: dict[int, dict] = {}
@@ -175,11 +176,27 @@ class Store:
 
     # ------------------------------------------------------------------ recovery
     def _load(self, info) -> None:
-        self._load_snapshot(info.snapshot)
+        partial = getattr(info, "snapshot_partial", False)
+        self._load_snapshot(info.snapshot, partial)
         info.snapshot = None                 # (decoded: its memory goes before the replay)
-        for rtype, payload in info.records.consume():
-            self._apply(rtype, payload)
-            self.replayed_records += 1
+        if partial:
+            # read-only only (the constructor refused read-write): serve what is provable
+            from .recovery import PartialReplay
+            pr = PartialReplay(self.inodes, self.next_ino)
+            for rtype, payload in info.records.consume():
+                if pr.provable(rtype, payload):
+                    self._apply(rtype, payload)
+                    self.replayed_records += 1
+            adopted = pr.adopt_orphans(ROOT_INO, now_ns())
+            self.next_ino = max(self.next_ino, max(self.inodes) + 1)
+            self.recovered_partial = {"records_skipped": pr.skipped, "adopted": len(adopted)}
+            log.error("metadata snapshot damaged in both copies: serving %d inodes read-only "
+                      "(%d records of lost inodes skipped, %d files under /lost+found)",
+                      len(self.inodes), pr.skipped, len(adopted))
+        else:
+            for rtype, payload in info.records.consume():
+                self._apply(rtype, payload)
+                self.replayed_records += 1
         # A file's size is journaled at close/fsync, its EXTENT records whenever data reach a
         # zone (the periodic flush makes them durable): after a crash a file may have committed
         # extents past the size last journaled.  Those bytes were written by the application
@@ -210,6 +227,14 @@ class Store:
                                hint_grid=self.opts.hint_grid, gc_reserve=self.opts.gc_reserve,
                                fullscan=self.opts.fullscan, block_size=self.bs)
         repaired = []
+        damaged = dict(getattr(self.dev, "damaged", {}))
+        for z, why in sorted(damaged.items()):
+            # (the device reads such a zone as FULL: its bytes stay readable, checked by the
+            # metadata mirror or the data checksums; a read-write mount rewrites the entry)
+            self.meta_problems.append(f"{why}; read as a full zone" + (
+                " (metadata: its mirror is compared)" if z < self.meta_zones else
+                " (data: verified by checksum)"))
+            log.error("device: %s; the zone is read as full", why)
         for z in range(self.meta_zones, self.dev.nr_zones):
             zone = self.dev.zone(z)
             exts = live.get(z, [])
@@ -263,6 +288,16 @@ class Store:
         elif repaired:
             with self.io_lock:
                 self._journal_flush(sync=True)
+        for z in damaged:
+            # the roll reset the old pairs (which rewrote their entries); a damaged zone of
+            # a free pair holds nothing live: reset it; a data zone keeps its data as FULL
+            if z in self.dev.damaged:
+                if z < self.meta_zones and z // 2 not in self.journal.live:
+                    self.dev.reset(z)
+                else:
+                    self.dev.repair_entry(z)
+        if damaged:
+            self.dev.flush()
         self._reset_empty_zones()
 
     def _mark_bad(self, z: int, why: str, exts: list, valid_upto: int | None = None) -> None:
@@ -284,9 +319,9 @@ class Store:
         log.error("zone %d out of service (%s); %d files have data there%s", z, why, len(files),
                   (": " + ", ".join(files[:5]) + (" ..." if len(files) > 5 else "")) if files else "")
 
-    def _load_snapshot(self, snap: bytes) -> None:
+    def _load_snapshot(self, snap: bytes, partial: bool = False) -> None:
         try:
-            head, inodes = NS.load_snapshot(snap)
+            head, inodes = NS.load_snapshot(snap, partial)
         except (ValueError, KeyError, TypeError) as e:
             # the frames passed their CRCs, so this is a bug or a forged image: never guess
             raise J.JournalError(f"metadata snapshot does not decode: {e}") from None
@@ -1608,6 +1643,7 @@ class Store:
                 "stale_extents": st["stale_extents"],
                 "metadata_problems": list(self.meta_problems),
                 "metadata_corrupt": self.meta_corrupt,
+                "metadata_partial": self.recovered_partial,
                 "format_version": self.sb.version,
                 "tuning": dict(self.tuning),
             }

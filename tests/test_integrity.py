@@ -505,6 +505,13 @@ def make_cases(geo: dict, seed: int, per_class: int) -> list[Case]:
             cases.append(Case("zone_table", variant,
                               [geo["table_off"] + zz * 16 + off for zz in zones], n, zones, off,
                               rng.randrange(1 << 30)))
+    for variant, n in (("flip", 1), ("burst", 9)):
+        for _ in range(max(2, per_class // 2)):
+            # the table entry of a data zone holding files: its wp/cond bytes
+            z, _w = rng.choice(geo["data_zones"])
+            off = rng.randrange(9) if n == 1 else 0
+            cases.append(Case("data_table", variant, [geo["table_off"] + z * 16 + off], n, [z],
+                              off, rng.randrange(1 << 30)))
     for variant, n in (("flip", 1), ("burst", 16)):
         for _ in range(max(2, per_class // 2)):
             off = rng.randrange(geo["header_bytes"] - (n - 1))
@@ -585,6 +592,17 @@ def run_case(case: Case, pristine, work, expected: dict) -> tuple[str, list[str]
                     bad.append(f"ro: tree differs: {d[:5]}")
             else:
                 info["ro_intact"] = sum(1 for p, v in expected.items() if tro.get(p) == v)
+            if s.recovered_partial is not None:
+                # a snapshot that lost frames in both copies: what is served is the final
+                # state of every inode it serves (retainzfs/recovery.py), never an older one
+                info["partial"] = dict(s.recovered_partial)
+                for p, v in tro.items():
+                    if p.startswith("/lost+found"):
+                        continue
+                    if p not in expected:
+                        bad.append(f"ro partial: extra {p}")
+                    elif v[3] != "EIO" and v != expected[p]:
+                        bad.append(f"ro partial: {p} differs: {expected[p]} -> {v}")
     if case.cls == "data":
         rc, out, err = in_process(["scrub", "--json", os.fspath(work)])
         rep = json.loads(out)
@@ -684,6 +702,11 @@ def test_metadata_damage_campaign(workload_image):
             bad.append(f"single-copy metadata damage must recover intact, got {outcome}")
         if meta and info["fsck"] == 0:
             bad.append("fsck exit 0 on a damaged, unrepaired image")
+        if case.cls == "data_table" and outcome not in ("recovered", "eio", "inert"):
+            bad.append(f"data zone table entry damage: {outcome}")
+        if case.cls == "zone_table" and outcome != "recovered":
+            # an invalid entry reads as a full zone: the mirror and checksums decide
+            bad.append(f"zone table entry damage: {outcome}, not recovered")
         if case.cls == "image_header" and outcome != "refused":
             bad.append(f"image header damage not refused ({outcome})")
         if case.cls == "data" and outcome not in ("eio", "inert"):
