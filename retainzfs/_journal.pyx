@@ -281,7 +281,7 @@ class LogState:
 
     def __init__(self):
         self.sb = None
-        self.snapshot = None          # bytes of the newest complete snapshot
+        self.snapshot = None          # pieces (list of bytes) of the newest complete snapshot
         self.snapshot_partial = False  # only a prefix of it survived (read-only mounts only)
         self.records = Records()      # (type, payload) after it, in order
         self.problems = []            # repaired (single-copy) damage
@@ -348,7 +348,7 @@ def load(dev, sb):
                       f"copies")
     else:
         first, after, parts = snap
-    st.snapshot = b"".join(parts)
+    st.snapshot = parts                  # (pieces, in order: decoded as a stream)
     del parts, snap
     st.snap_bytes = sum(len(frames[k][3]) for k in range(first, after))
     for k in range(first):               # older frames are not needed any more

@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 import stat
 import zlib
+from array import array
+from collections.abc import MutableMapping
 from types import MappingProxyType
 
 from . import hints as H
@@ -147,35 +149,270 @@ def _rt_prop(name: str, default, drop_when_idle: bool = False):
     return property(get, set_)
 
 
+# ------------------------------------------------------------------ the inode table
+# Columns of a row (int64 each).  A row is free while its mode is 0 (every inode has a type).
+C_MODE, C_NLINK, C_SIZE, C_ATIME, C_MTIME, C_CTIME, C_PARENT, C_UG = range(8)
+NCOL = 8
+PAGE_BITS = 10
+_ZERO_PAGE = {}
+# uid/gid pairs: an id per distinct pair (id 0 is root:root), shared by every table
+_UG_IDS: dict[tuple[int, int], int] = {(0, 0): 0}
+_UG_LIST: list[tuple[int, int]] = [(0, 0)]
+
+
+def _ug_id(uid: int, gid: int) -> int:
+    k = (uid, gid)
+    i = _UG_IDS.get(k)
+    if i is None:
+        i = _UG_IDS[k] = len(_UG_LIST)
+        _UG_LIST.append(k)
+    return i
+
+
+class _Page:
+    """``1 << bits`` consecutive inode numbers: fixed fields in one int64 array, the name and
+    hint of each row in two lists, side objects (extents, rare attributes, open-file state)
+    in dicts keyed by row — only for the rows that have them."""
+    __slots__ = ("a", "names", "hints", "ext", "x", "rt", "count")
+
+    def __init__(self, bits: int):
+        n = 1 << bits
+        z = _ZERO_PAGE.get(bits)
+        if z is None:
+            z = _ZERO_PAGE[bits] = array("q", bytes(8 * NCOL * n))
+        self.a = array("q", z)
+        self.names: list = [b""] * n
+        self.hints: list = [None] * n
+        self.ext: dict = {}
+        self.x: dict = {}
+        self.rt: dict = {}
+        self.count = 0
+
+
+class InodeTable(MutableMapping):
+    """inode number -> Inode, stored packed (≈100 bytes per plain file instead of ≈400 as
+    one object per inode).  Rows live in pages of ``1 << PAGE_BITS`` inode numbers; a page
+    goes when its last inode does, so a long-lived store that creates and deletes
+    checkpoints holds pages for the inode numbers in use, not for every number ever given.
+    ``table[i]`` returns a view (an ``Inode``) whose attributes read and write the row;
+    assigning an Inode that lives elsewhere (a standalone one, or a row of another table)
+    copies it in and rebinds it to the row; ``pop`` returns a detached copy."""
+
+    def __init__(self, page_bits: int = PAGE_BITS):
+        self.bits = page_bits
+        self.mask = (1 << page_bits) - 1
+        self.pages: dict[int, _Page] = {}
+        self.n = 0
+
+    # -- rows
+    def _row(self, ino: int):
+        """(page, row) of a live inode, or (None, 0)."""
+        p = self.pages.get(ino >> self.bits)
+        if p is None:
+            return None, 0
+        r = ino & self.mask
+        if not p.a[r * NCOL]:
+            return None, 0
+        return p, r
+
+    def _new_row(self, ino: int, mode: int):
+        if not mode or ino < 0:
+            raise ValueError(f"inode {ino}: mode 0 or a negative number")
+        k = ino >> self.bits
+        p = self.pages.get(k)
+        if p is None:
+            p = self.pages[k] = _Page(self.bits)
+        r = ino & self.mask
+        if p.a[r * NCOL]:
+            raise KeyError(f"inode {ino} exists")
+        p.a[r * NCOL] = mode
+        p.count += 1
+        self.n += 1
+        return p, r
+
+    def new(self, ino: int, mode: int) -> "Inode":
+        """A fresh row (nlink 1, everything else zero/empty) and its view."""
+        p, r = self._new_row(ino, mode)
+        p.a[r * NCOL + C_NLINK] = 1
+        if stat.S_ISDIR(mode):
+            x = p.x[r] = Extra()
+            x.entries = {}
+        return Inode._view(ino, self, p, r)
+
+    # -- Mapping
+    def __getitem__(self, ino: int) -> "Inode":
+        p, r = self._row(ino)
+        if p is None:
+            raise KeyError(ino)
+        return Inode._view(ino, self, p, r)
+
+    def get(self, ino, default=None):
+        p, r = self._row(ino) if type(ino) is int else (None, 0)
+        return default if p is None else Inode._view(ino, self, p, r)
+
+    def __contains__(self, ino) -> bool:
+        return type(ino) is int and self._row(ino)[0] is not None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        bits = self.bits
+        for k in sorted(self.pages):
+            p = self.pages.get(k)
+            if p is None:
+                continue
+            a = p.a
+            base = k << bits
+            for r in range(1 << bits):
+                if a[r * NCOL]:
+                    yield base + r
+
+    def values(self):
+        bits, view = self.bits, Inode._view
+        for k in sorted(self.pages):
+            p = self.pages.get(k)
+            if p is None:
+                continue
+            a = p.a
+            base = k << bits
+            for r in range(1 << bits):
+                if a[r * NCOL]:
+                    yield view(base + r, self, p, r)
+
+    def items(self):
+        for v in self.values():
+            yield v.ino, v
+
+    def extent_maps(self):
+        """(inode view, ExtentMap) of every inode with extents (no view for the others)."""
+        bits = self.bits
+        for k, p in list(self.pages.items()):
+            for r, m in list(p.ext.items()):
+                yield Inode._view((k << bits) + r, self, p, r), m
+
+    def unlinked(self) -> list["Inode"]:
+        """Inodes with no name left (nlink 0: open when the daemon died)."""
+        out = []
+        for k, p in list(self.pages.items()):
+            a = p.a
+            for r in range(len(p.names)):
+                o = r * NCOL
+                if a[o] and not a[o + C_NLINK]:
+                    out.append(Inode._view((k << self.bits) + r, self, p, r))
+        return out
+
+    def with_extra(self):
+        """Views of the inodes that have rare attributes (every directory, symlinks, ...)."""
+        bits = self.bits
+        for k, p in list(self.pages.items()):
+            for r in list(p.x):
+                yield Inode._view((k << bits) + r, self, p, r)
+
+    def hints(self):
+        """The distinct hint objects in use (they are interned), for the mount's clock."""
+        seen = set()
+        for p in list(self.pages.values()):
+            for h in p.hints:
+                if h is not None and id(h) not in seen:
+                    seen.add(id(h))
+                    yield h
+
+    def __setitem__(self, ino: int, inode: "Inode") -> None:
+        if inode._t is self and inode.ino == ino:
+            return
+        if ino in self:
+            self._free(ino)
+        p, r = self._new_row(ino, inode.mode)
+        sp, sr = inode._p, inode._r
+        o, so = r * NCOL, sr * NCOL
+        p.a[o:o + NCOL] = sp.a[so:so + NCOL]
+        p.names[r], p.hints[r] = sp.names[sr], sp.hints[sr]
+        for mine, theirs in ((p.ext, sp.ext), (p.x, sp.x), (p.rt, sp.rt)):
+            v = theirs.get(sr)
+            if v is not None:
+                mine[r] = v
+        inode.ino, inode._t, inode._p, inode._r = ino, self, p, r
+
+    def _free(self, ino: int) -> None:
+        p, r = self._row(ino)
+        if p is None:
+            raise KeyError(ino)
+        o = r * NCOL
+        p.a[o:o + NCOL] = _ZERO_PAGE[self.bits][:NCOL]
+        p.names[r], p.hints[r] = b"", None
+        p.ext.pop(r, None)
+        p.x.pop(r, None)
+        p.rt.pop(r, None)
+        p.count -= 1
+        self.n -= 1
+        if not p.count:
+            del self.pages[ino >> self.bits]
+
+    def __delitem__(self, ino: int) -> None:
+        self._free(ino)
+
+    _MISSING = object()
+
+    def pop(self, ino, default=_MISSING):
+        """Remove an inode; a detached copy of it (or ``default``)."""
+        p, r = self._row(ino) if type(ino) is int else (None, 0)
+        if p is None:
+            if default is self._MISSING:
+                raise KeyError(ino)
+            return default
+        copy = Inode._detached(ino, p, r)
+        self._free(ino)
+        return copy
+
+    def clear(self) -> None:
+        self.pages.clear()
+        self.n = 0
+
+
+def _col(c: int):
+    def get(self):
+        return self._p.a[self._r * NCOL + c]
+
+    def set_(self, v):
+        self._p.a[self._r * NCOL + c] = v
+    return property(get, set_)
+
+
+def _side(field: str):
+    def get(self):
+        return getattr(self._p, field).get(self._r)
+
+    def set_(self, v):
+        d = getattr(self._p, field)
+        if v is None:
+            d.pop(self._r, None)
+        else:
+            d[self._r] = v
+    return property(get, set_)
+
+
 class Inode:
-    """One file, directory, symlink or device node (see the module docstring)."""
-    __slots__ = ("ino", "mode", "nlink", "size", "atime", "mtime", "ctime", "parent", "name",
-                 "hint", "_ext", "_ug", "_x", "_rt")
+    """One file, directory, symlink or device node: a view of its row in an ``InodeTable``
+    (see the module docstring).  Built directly (``Inode(ino, mode, ...)``) it lives in a
+    private one-row table until it is assigned into a store's table."""
+    __slots__ = ("ino", "_t", "_p", "_r")
 
     def __init__(self, ino: int, mode: int, uid: int = 0, gid: int = 0, nlink: int = 1,
                  size: int = 0, atime: int = 0, mtime: int = 0, ctime: int = 0, rdev: int = 0,
                  target: bytes = b"", xattrs: dict | None = None, hint=None,
                  policy_src: bytes = b"", placed_hint=None, parent: int = 0, name: bytes = b""):
-        self.ino = ino
-        m = _MODES.get(mode)
-        if m is None:
-            m = _MODES.setdefault(mode, mode)
-        self.mode = m
+        t = InodeTable(0)
+        v = t.new(ino, mode)
+        self.ino, self._t, self._p, self._r = ino, t, v._p, v._r
         self.nlink = nlink
         self.size = size
         self.atime, self.mtime, self.ctime = atime, mtime, ctime
         self.parent = parent
         self.name = name
         self.hint = hint
-        self._ext = None
-        self._ug = None
-        self._x = None
-        self._rt = None
         if uid or gid:
-            self._ug = _UG.setdefault((uid, gid), (uid, gid))
-        if stat.S_ISDIR(mode):
-            self._x = Extra()
-            self._x.entries = {}
+            self._set_ug(uid, gid)
         if rdev:
             self.rdev = rdev
         if target:
@@ -187,10 +424,67 @@ class Inode:
         if placed_hint is not None:
             self.placed_hint = placed_hint
 
+    @classmethod
+    def _view(cls, ino: int, t: InodeTable, p: _Page, r: int) -> "Inode":
+        v = cls.__new__(cls)
+        v.ino, v._t, v._p, v._r = ino, t, p, r
+        return v
+
+    @classmethod
+    def _detached(cls, ino: int, p: _Page, r: int) -> "Inode":
+        t = InodeTable(0)
+        q, _ = t._new_row(ino, p.a[r * NCOL])
+        q.a[0:NCOL] = p.a[r * NCOL:(r + 1) * NCOL]
+        q.names[0], q.hints[0] = p.names[r], p.hints[r]
+        for mine, theirs in ((q.ext, p.ext), (q.x, p.x), (q.rt, p.rt)):
+            v = theirs.get(r)
+            if v is not None:
+                mine[0] = v
+        return cls._view(ino, t, q, 0)
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, Inode) and other.ino == self.ino and other._p is self._p
+                and other._r == self._r)
+
+    def __hash__(self) -> int:
+        return hash(self.ino)
+
+    mode = _col(C_MODE)
+    nlink = _col(C_NLINK)
+    size = _col(C_SIZE)
+    atime = _col(C_ATIME)
+    mtime = _col(C_MTIME)
+    ctime = _col(C_CTIME)
+    parent = _col(C_PARENT)
+    _ext = _side("ext")
+    _x = _side("x")
+    _rt = _side("rt")
+
+    @property
+    def name(self) -> bytes:
+        return self._p.names[self._r]
+
+    @name.setter
+    def name(self, v: bytes) -> None:
+        self._p.names[self._r] = v
+
+    @property
+    def hint(self):
+        return self._p.hints[self._r]
+
+    @hint.setter
+    def hint(self, v) -> None:
+        self._p.hints[self._r] = v
+
     # -- owner
     @property
+    def _ug(self):
+        i = self._p.a[self._r * NCOL + C_UG]
+        return _UG_LIST[i] if i else None
+
+    @property
     def uid(self) -> int:
-        return self._ug[0] if self._ug is not None else 0
+        return _UG_LIST[self._p.a[self._r * NCOL + C_UG]][0]
 
     @uid.setter
     def uid(self, v: int) -> None:
@@ -198,14 +492,14 @@ class Inode:
 
     @property
     def gid(self) -> int:
-        return self._ug[1] if self._ug is not None else 0
+        return _UG_LIST[self._p.a[self._r * NCOL + C_UG]][1]
 
     @gid.setter
     def gid(self, v: int) -> None:
         self._set_ug(self.uid, v)
 
     def _set_ug(self, uid: int, gid: int) -> None:
-        self._ug = None if not (uid or gid) else _UG.setdefault((uid, gid), (uid, gid))
+        self._p.a[self._r * NCOL + C_UG] = _ug_id(uid, gid)
 
     # -- rare persistent attributes
     rdev = _x_prop("rdev", 0)
@@ -376,17 +670,18 @@ class Inode:
 
     def set_rec(self, r: R.InodeRec) -> None:
         """Take the persistent attributes of an entry (not its extents or dirents)."""
-        (_, mode, uid, gid, self.nlink, self.size, a, m, c, rdev, self.parent) = r.fixed
-        mo = _MODES.get(mode)
-        self.mode = mo if mo is not None else _MODES.setdefault(mode, mode)
-        # equal timestamps share one int object (a created file has three equal times)
-        if m == a:
-            m = a
-        if c == m:
-            c = m
-        self.atime, self.mtime, self.ctime = a, m, c
-        self._ug = None if not (uid or gid) else _UG.setdefault((uid, gid), (uid, gid))
-        self.name = r.name
+        (_, mode, uid, gid, nlink, size, at, mt, ct, rdev, parent) = r.fixed
+        a, o = self._p.a, self._r * NCOL
+        a[o] = mode
+        a[o + C_NLINK] = nlink
+        a[o + C_SIZE] = size
+        a[o + C_ATIME] = at
+        a[o + C_MTIME] = mt
+        a[o + C_CTIME] = ct
+        a[o + C_PARENT] = parent
+        a[o + C_UG] = _ug_id(uid, gid) if (uid or gid) else 0
+        if self.name != r.name:
+            self.name = r.name
         h = r.hint
         self.hint = None if h is None else intern_hint(h)
         x = self._x
@@ -450,10 +745,11 @@ def encode_snapshot(inodes: dict, head: R.SnapshotHeader) -> bytes:
     return R.encode_snapshot(head, len(inodes), (i.to_rec() for i in inodes.values()))
 
 
-def load_snapshot(blob, partial: bool = False) -> tuple[R.SnapshotHeader, dict[int, Inode]]:
+def load_snapshot(blob, partial: bool = False) -> tuple[R.SnapshotHeader, InodeTable]:
     """(header, inodes) of a snapshot blob, binary or (older images) JSON; ValueError when the
-    blob does not decode.  Directory entries are linked (sharing the child's name and inode
-    number objects); readdir cookies come on the first readdir.
+    blob does not decode.  Directory entries are linked as each directory is decoded; a
+    child decoded later takes the entry's name object (one bytes object per name, not two);
+    readdir cookies come on the first readdir.
 
     ``partial``: the blob is the intact prefix of a snapshot whose later frames are lost
     (read-only recovery): the inodes decoded before the cut are returned (the header must be
@@ -461,45 +757,117 @@ def load_snapshot(blob, partial: bool = False) -> tuple[R.SnapshotHeader, dict[i
     if not R.is_binary_snapshot(blob):
         if partial:
             raise ValueError("a damaged snapshot in the old JSON form cannot be read in part")
-        return _load_json_snapshot(blob)
-    head, count, it = R.decode_snapshot(blob)
-    inodes: dict[int, Inode] = {}
-    dirs = []
-    from_rec = Inode.from_rec
+        return _load_json_snapshot(b"".join(blob) if isinstance(blob, list) else blob)
+    head, count, it = R.decode_snapshot(blob, fast=True)
+    t = InodeTable()
+    pend = []                     # directories holding (name, ino) placeholders
+    bits, mask = t.bits, t.mask
+    pages = t.pages
+    new_row = t._new_row
     try:
         for r in it:
-            ino = from_rec(r)
-            inodes[ino.ino] = ino
+            if type(r) is tuple:
+                # a plain entry (nine in ten): (fixed fields, name), no object built for it
+                f, name = r
+                ino = f[0]
+                try:
+                    p, row = new_row(ino, f[1])
+                except KeyError:
+                    raise ValueError("snapshot: an inode number appears twice") from None
+                a, o = p.a, row * NCOL
+                a[o + C_NLINK] = f[4]
+                a[o + C_SIZE] = f[5]
+                a[o + C_ATIME] = f[6]
+                a[o + C_MTIME] = f[7]
+                a[o + C_CTIME] = f[8]
+                par = a[o + C_PARENT] = f[10]
+                if f[2] or f[3]:
+                    a[o + C_UG] = _ug_id(f[2], f[3])
+                pp = pages.get(par >> bits)
+                px = pp.x.get(par & mask) if pp is not None else None
+                if px is not None and px.entries:
+                    pe = px.entries
+                    ph = pe.get(name)
+                    if type(ph) is tuple and ph[1] == ino:
+                        name = ph[0]
+                        pe[name] = ph[1]
+                p.names[row] = name
+                if stat.S_ISDIR(f[1]) or f[9]:
+                    v = Inode._view(ino, t, p, row)
+                    if stat.S_ISDIR(f[1]):
+                        x = p.x[row] = Extra()
+                        x.entries = {}
+                    if f[9]:
+                        v.rdev = f[9]
+                continue
+            f = r.fixed
+            ino = f[0]
+            try:
+                p, row = new_row(ino, f[1])
+            except KeyError:
+                raise ValueError("snapshot: an inode number appears twice") from None
+            a, o = p.a, row * NCOL
+            a[o + C_NLINK] = f[4]
+            a[o + C_SIZE] = f[5]
+            a[o + C_ATIME] = f[6]
+            a[o + C_MTIME] = f[7]
+            a[o + C_CTIME] = f[8]
+            par = a[o + C_PARENT] = f[10]
+            if f[2] or f[3]:
+                a[o + C_UG] = _ug_id(f[2], f[3])
+            name = r.name
+            # the entry naming it in an already decoded parent: share its name object
+            pp = pages.get(par >> bits)
+            px = pp.x.get(par & mask) if pp is not None else None
+            pe = px.entries if px is not None else None
+            if pe:
+                ph = pe.get(name)
+                if type(ph) is tuple and ph[1] == ino:
+                    name = ph[0]
+                    pe[name] = ph[1]
+            p.names[row] = name
+            if r.hint is not None:
+                p.hints[row] = intern_hint(r.hint)
+            isdir = stat.S_ISDIR(f[1])
+            if isdir or f[9] or r.target or r.xattrs or r.policy or r.placed is not None:
+                v = Inode._view(ino, t, p, row)
+                if isdir:
+                    x = p.x[row] = Extra()
+                    x.entries = {}
+                v.set_rec(r)
+            if r.extents:
+                m = p.ext[row] = ExtentMap()
+                for off, length, zone, zoff, hint in r.extents:
+                    m.add(off, length, zone, zoff, hint)
             if r.dirents:
-                dirs.append((ino, r.dirents))
+                if not isdir:
+                    raise ValueError(f"snapshot: inode {ino} has entries but is not a directory")
+                e = p.x[row].entries
+                for nm, i in r.dirents:
+                    cp = pages.get(i >> bits)
+                    cr = i & mask
+                    if cp is not None and cp.a[cr * NCOL] and cp.a[cr * NCOL + C_PARENT] == ino \
+                            and cp.names[cr] == nm:
+                        e[cp.names[cr]] = i          # child decoded first: its name object
+                    else:
+                        e[nm] = (nm, i)
+                pend.append(e)
     except (ValueError, zlib.error):
         if not partial:
             raise
-    if len(inodes) != count and not partial:
-        raise ValueError("snapshot: an inode number appears twice")
-    get = inodes.get
-    for ino in inodes.values():           # one int object per inode number
-        p = get(ino.parent)
-        if p is not None:
-            ino.parent = p.ino
-    for d, ents in dirs:
-        e = d._x.entries
-        if e is None:
-            raise ValueError(f"snapshot: inode {d.ino} has entries but is not a directory")
-        dino = d.ino
-        for name, i in ents:
-            c = get(i)
-            if c is not None:
-                i = c.ino
-                if c.parent == dino and c.name == name:
-                    name = c.name
-            elif partial:
-                continue                  # its inode was in the lost part
-            e[name] = i
-    return head, inodes
+    if len(t) != count and not partial:
+        raise ValueError(f"snapshot: {len(t)} inodes for a count of {count}")
+    for e in pend:
+        for nm, v in list(e.items()):
+            if type(v) is tuple:
+                if partial and v[1] not in t:
+                    del e[nm]                 # its inode was in the lost part
+                else:
+                    e[nm] = v[1]
+    return head, t
 
 
-def _load_json_snapshot(blob) -> tuple[R.SnapshotHeader, dict[int, Inode]]:
+def _load_json_snapshot(blob) -> tuple[R.SnapshotHeader, InodeTable]:
     from array import array
     import base64
     doc = json.loads(__import__("zlib").decompress(blob))
@@ -513,7 +881,7 @@ def _load_json_snapshot(blob) -> tuple[R.SnapshotHeader, dict[int, Inode]]:
         cs[int(z)] = out
     head = R.SnapshotHeader(doc["next_ino"], doc.get("now", 0),
                             {int(z): g for z, g in doc.get("zg", {}).items()}, cs)
-    inodes: dict[int, Inode] = {}
+    inodes = InodeTable()
     for d in doc["inodes"]:
         ino = Inode(d["i"], d["m"])
         ino.set_attrs(d)

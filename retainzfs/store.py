@@ -125,7 +125,7 @@ class Store:
         self.meta_zones = sb.meta_zones
         self.bs = dev.block_size
         self.cap = dev.zone_capacity
-        self.inodes: dict[int, Inode] = {}
+        self.inodes: NS.InodeTable = NS.InodeTable()
         self.next_ino = ROOT_INO + 1
         self.policies: dict[int, H.Policy] = {}
         self.policy_errors: dict[int, str] = {}
@@ -203,8 +203,7 @@ class Store:
         # (and are checksummed), so the size covers them — never live bytes nobody can read.
         now = self.now
         live: dict[int, list] = {}
-        for ino in self.inodes.values():
-            m = ino._ext                 # (the shared empty map of extent-less files is skipped)
+        for ino, m in self.inodes.extent_maps():    # (files without extents: no view)
             if m:
                 end = m.exts[-1].end
                 if end > ino.size:
@@ -215,8 +214,8 @@ class Store:
                         live[e.zone] = [e]
                     else:
                         z.append(e)
-            h = ino.hint
-            if h is not None and h.birth > now:
+        for h in self.inodes.hints():
+            if h.birth > now:
                 now = h.birth
         self.now = now
         # allocator summaries from the extent map and the device's write pointers; the
@@ -275,9 +274,9 @@ class Store:
         if self.opts.readonly:
             return
         # orphans: unlinked files that were open when the daemon died
-        for ino in [i for i in self.inodes.values() if i.nlink == 0]:
+        for ino in self.inodes.unlinked():
             self._free_inode(ino)
-        for d in list(self.inodes.values()):
+        for d in list(self.inodes.with_extra()):
             if d.is_dir and (H.POLICY_NAME in d.entries or d.policy_src):
                 self._load_policy(d.ino, quiet=True)
         if info.uneven or self.journal_truncated or self.meta_problems:
@@ -357,22 +356,17 @@ class Store:
             i = r.fixed[0]
             inode = self.inodes.get(i)
             if inode is None:
-                inode = self.inodes[i] = Inode(i, r.fixed[1])
+                inode = self.inodes.new(i, r.fixed[1])
                 if i >= self.next_ino:
                     self.next_ino = i + 1
             inode.set_rec(r)
-            p = self.inodes.get(inode.parent)
-            if p is not None:
-                inode.parent = p.ino           # one int object per inode number
             return inode
         if rtype == R.DIRENT_B:
             p, i, t, name = R.unpack_dirent(payload)
             parent = self.inodes[p]
             child = self.inodes.get(i)
-            if child is not None:
-                i = child.ino              # one int object per inode number
-                if child.name == name:
-                    name = child.name
+            if child is not None and child.name == name:
+                name = child.name          # one bytes object per name
             parent.link(name, i)
             parent.mtime = parent.ctime = t
             return None
@@ -403,7 +397,7 @@ class Store:
             d = R.unpack_json(payload)
             inode = self.inodes.get(d["i"])
             if inode is None:
-                inode = self.inodes[d["i"]] = Inode(d["i"], d["m"])
+                inode = self.inodes.new(d["i"], d["m"])
                 self.next_ino = max(self.next_ino, d["i"] + 1)
             inode.set_attrs(d)
             return inode
