@@ -410,6 +410,41 @@ class ZonedDevice(ABC):
 # ======================================================================================
 
 _DIO_CHUNK = 8 * MiB                     # bounce buffer size (tests shrink it to force chunking)
+_DIO_ZERO_COPY_MIN = 64 * 1024           # below this a copy is cheaper than a failed try
+
+
+def _bytes_filler():
+    """(new_bytes(n), pread_into(fd, obj, got, n, off)) to read straight into a fresh ``bytes``
+    object (``PyBytes_FromStringAndSize(NULL, n)``, filled before anyone else sees it), or
+    None when this interpreter's layout does not check out.  pread_into returns bytes read or
+    -errno; the GIL is released during the pread."""
+    try:
+        import ctypes
+        new = ctypes.pythonapi.PyBytes_FromStringAndSize
+        new.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+        new.restype = ctypes.py_object
+        libc = ctypes.CDLL(None, use_errno=True)
+        pread = libc.pread
+        pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
+        pread.restype = ctypes.c_ssize_t
+        hdr = bytes.__basicsize__ - 1                    # offset of ob_sval (CPython)
+        probe = new(b"retainz!", 8)
+        if ctypes.string_at(id(probe) + hdr, 8) != b"retainz!":
+            return None
+    except (ImportError, OSError, AttributeError, TypeError, ValueError):
+        return None
+    get_errno = ctypes.get_errno
+
+    def new_bytes(n: int) -> bytes:
+        return new(None, n)
+
+    def pread_into(fd: int, obj: bytes, got: int, n: int, off: int) -> int:
+        r = pread(fd, id(obj) + hdr + got, n, off)
+        return r if r >= 0 else -get_errno()
+    return new_bytes, pread_into
+
+
+_BYTES_FILLER: "tuple | None | bool" = False   # resolved on first use
 
 
 class _DirectIO:
@@ -421,6 +456,12 @@ class _DirectIO:
     serialised by the device lock) and one per reading thread (reads run concurrently).
     Reads may start and end anywhere: the aligned span around them is read and sliced.
     The fd belongs to the caller; ``close()`` only drops the buffers.
+
+    Zero copy where the kernel allows it: since Linux 6.0 O_DIRECT memory only needs the
+    queue's DMA alignment (NVMe: 4 bytes; virtio-blk: 512), so large block-aligned writes are
+    first tried straight from the caller's buffer and large block-aligned reads straight
+    into the returned ``bytes``; the first EINVAL (memory not aligned enough, older kernel)
+    turns that direction back to the bounce buffers for good on this descriptor.
     """
 
     def __init__(self, fd: int, path: str, align: int) -> None:
@@ -430,6 +471,8 @@ class _DirectIO:
         self._wbuf = mmap.mmap(-1, _DIO_CHUNK)
         self._wmv = memoryview(self._wbuf)
         self._tls = threading.local()
+        self.zero_copy_write = True          # False after the kernel refused once
+        self.zero_copy_read = True
 
     def pwrite(self, off: int, data: Buffer, n: int) -> None:
         """Write all ``n`` bytes of ``data`` (a buffer or a scatter list) at ``off``.
@@ -439,8 +482,21 @@ class _DirectIO:
         if type(data) is list or type(data) is tuple:
             data = b"".join(data)           # copied into the bounce buffer anyway
         src = data if type(data) is memoryview and data.format == "B" else memoryview(data).cast("B")
-        buf = self._wmv
         done = 0
+        if self.zero_copy_write and n >= _DIO_ZERO_COPY_MIN:
+            try:
+                while done < n:
+                    w = os.pwrite(self.fd, src[done:], off + done)
+                    if w <= 0 or w % self.align:
+                        raise _err(errno.EIO, f"{self.path}: short direct write ({w} of "
+                                              f"{n - done} bytes)")
+                    done += w
+                return
+            except OSError as e:
+                if e.errno != errno.EINVAL or done:
+                    raise
+                self.zero_copy_write = False    # memory alignment refused: bounce from now on
+        buf = self._wmv
         while done < n:
             k = min(n - done, len(buf))
             buf[:k] = src[done:done + k]
@@ -459,6 +515,10 @@ class _DirectIO:
     def pread(self, off: int, length: int) -> bytes:
         """Read ``length`` bytes at ``off`` (any alignment; ``length`` > 0)."""
         a = self.align
+        if (self.zero_copy_read and length >= _DIO_ZERO_COPY_MIN and not (off | length) % a):
+            out = self._pread_bytes(off, length)
+            if out is not None:
+                return out
         start = off - off % a
         end = _align_up(off + length, a)
         buf = self._read_buf()
@@ -479,6 +539,32 @@ class _DirectIO:
             filled += hi - lo
             pos += k
         return bytes(out)
+
+    def _pread_bytes(self, off: int, length: int) -> bytes | None:
+        """Aligned read straight into a new ``bytes``; None when not possible here."""
+        global _BYTES_FILLER
+        if _BYTES_FILLER is False:
+            _BYTES_FILLER = _bytes_filler()
+        if _BYTES_FILLER is None:
+            self.zero_copy_read = False
+            return None
+        new_bytes, pread_into = _BYTES_FILLER
+        out = new_bytes(length)
+        got = 0
+        while got < length:
+            r = pread_into(self.fd, out, got, length - got, off + got)
+            if r > 0:
+                got += r
+            elif r == -errno.EINTR:
+                continue
+            elif r == -errno.EINVAL and not got:
+                self.zero_copy_read = False     # memory alignment refused: bounce from now on
+                return None
+            elif r == 0:
+                raise _err(errno.EIO, f"{self.path}: short direct read at {off + got}")
+            else:
+                raise OSError(-r, f"{self.path}: direct read at {off + got}: {os.strerror(-r)}")
+        return out
 
     def _pread_exact(self, buf: memoryview, k: int, off: int) -> None:
         got = 0
