@@ -5,8 +5,11 @@
   passes.
 * ``ImageZonedDevice(path, direct=True)``: the same bytes and the same zone table as the
   buffered image, in both directions (written direct / read buffered and the reverse).
+* Zero copy: where the kernel takes the caller's memory (tmpfs here) both directions skip the
+  bounce buffer; where it refuses (EINVAL, simulated) the same call is redone through it.
 * A hypothesis property: write sizes around the 4096-byte block and the bounce-buffer chunk,
-  reads at offsets and lengths around both boundaries, against a model and a buffered reopen.
+  reads at offsets and lengths around both boundaries, against a model and a buffered reopen,
+  on ext4 (bounce buffer) and on tmpfs (zero copy).
 * ``--qemu`` (marked ``qemu``): BlockZonedDevice vs dd inside the QEMU ZNS guest, small size;
   skipped when QEMU's prerequisites are missing, except under CI=true where it fails.
 """
@@ -18,6 +21,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -48,6 +52,7 @@ def _sane_figures(res: dict, lo: float = 0.05, hi: float = 20) -> None:
         assert lo < f["ratio"] < hi, (op, f)
         assert 0 < f["retainzfs_cpu_s_per_GiB"] < 1000 and f["dd_cpu_s_per_GiB"] >= 0, (op, f)
     assert res["figures"]["read_nocopy"]["retainzfs_MiBps"] > 0
+    assert res["figures"]["write_nocopy"]["retainzfs_MiBps"] > 0
 
 
 def _direct_ok(path) -> bool:
@@ -168,6 +173,84 @@ def test_direct_image_needs_o_direct(tmp_path, monkeypatch):
     ImageZonedDevice(img).close()                                      # lock and fd released
 
 
+# -- zero copy (caller's memory straight to / from the kernel) and its fallback ---------------
+
+def _shm_dir(tmp_path_factory):
+    if not os.path.isdir("/dev/shm"):
+        return None
+    d = Path(tempfile.mkdtemp(prefix="bench_block.", dir="/dev/shm"))
+    probe = d / "probe"
+    probe.write_bytes(b"\0" * BS)
+    ok = _direct_ok(probe)
+    probe.unlink()
+    if not ok:
+        d.rmdir()
+        return None
+    return d
+
+
+def test_zero_copy_where_the_kernel_allows(tmp_path_factory):
+    """tmpfs (Linux >= 6.6) takes O_DIRECT from any memory: both directions stay zero copy,
+    and every read shape (aligned big, unaligned, small) returns the written bytes."""
+    d = _shm_dir(tmp_path_factory)
+    if d is None:
+        pytest.skip("no tmpfs with O_DIRECT at /dev/shm")
+    img = d / "z.zns"
+    try:
+        create_image(img, 8 * 4 * MiB, 4 * MiB).close()
+        data = _pattern(3 * MiB + 8 * BS, 3)
+        with ImageZonedDevice(img, direct=True) as dev:
+            dev.write(0, 0, memoryview(b"\0" + data)[1:])              # odd address
+            dev.write(1, 0, data[:64 * 1024])
+            assert dev._dio.zero_copy_write
+            got = dev.read(0, 0, len(data))
+            assert dev._dio.zero_copy_read and type(got) is bytes and got == data
+            assert dev.read(0, BS, MiB) == data[BS:BS + MiB]
+            assert dev.read(0, 5, 70000) == data[5:70005]                 # via the bounce
+            assert dev.read(1, 0, 64 * 1024) == data[:64 * 1024]
+            assert dev.read(0, len(data), 64 * 1024) == bytes(64 * 1024)   # past wp
+    finally:
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+
+
+def test_zero_copy_falls_back_on_einval(ddir, monkeypatch):
+    """A kernel that wants more alignment than the caller's memory (EINVAL before any I/O):
+    that write and read are redone through the bounce buffer, and stay there."""
+    img = ddir / "f.zns"
+    create_image(img, 8 * 4 * MiB, 4 * MiB).close()
+    real_pwrite = os.pwrite
+    refused = []
+
+    mmap_type = type(D.mmap.mmap(-1, 1))
+
+    def pwrite(fd, b, off):                 # data (not the 16-byte table entries), not bounce
+        if len(b) >= 64 * 1024 and not (isinstance(b, memoryview) and isinstance(b.obj, mmap_type)):
+            refused.append(off)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, b, off)
+    monkeypatch.setattr(D.os, "pwrite", pwrite)
+    filler = D._bytes_filler()
+    if filler is None:
+        pytest.skip("no ctypes bytes filler on this interpreter")
+    reads = []
+
+    def pread_into(fd, obj, got, n, off):
+        reads.append(off)
+        return -errno.EINVAL
+    monkeypatch.setattr(D, "_BYTES_FILLER", (filler[0], pread_into))
+    data = _pattern(2 * MiB, 9)
+    with ImageZonedDevice(img, direct=True) as dev:
+        dev.write(0, 0, data)
+        dev.write(0, 2 * MiB, data)
+        assert len(refused) == 1 and not dev._dio.zero_copy_write
+        assert dev.read(0, 0, 2 * MiB) == data
+        assert dev.read(0, 2 * MiB, 2 * MiB) == data
+        assert len(reads) == 1 and not dev._dio.zero_copy_read
+        assert dev.zone(0).wp == 4 * MiB and dev.zone(0).cond == ZoneCond.FULL
+
+
 # -- property: sizes around the block size and the bounce-buffer chunk ------------------------
 
 CHUNK = 64 * 1024                 # shrunk bounce buffer so chunk crossings are cheap
@@ -177,14 +260,21 @@ _near = st.sampled_from([1, 2, 3, CHUNK // BS - 1, CHUNK // BS, CHUNK // BS + 1,
 _edge = [0, 1, BS - 1, BS, BS + 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK - 1]
 
 
-@pytest.fixture(scope="module")
-def prop_image(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dio")
+@pytest.fixture(scope="module", params=["tmp", "shm"])
+def prop_image(request, tmp_path_factory):
+    """The property's image on pytest's tmp (here ext4 on virtio: reads and writes through
+    the bounce buffer) and on tmpfs (zero copy both ways)."""
+    d = tmp_path_factory.mktemp("dio") if request.param == "tmp" else _shm_dir(tmp_path_factory)
+    if d is None:
+        pytest.skip("no tmpfs with O_DIRECT at /dev/shm")
     img = d / "p.zns"
     create_image(img, 8 * ZONE, ZONE).close()
     if not _direct_ok(img):
         pytest.skip(f"{d}: no O_DIRECT on this file system")
-    return img
+    yield img
+    if request.param == "shm":
+        img.unlink()
+        d.rmdir()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
