@@ -472,7 +472,10 @@ class _DirectIO:
         self._wmv = memoryview(self._wbuf)
         self._tls = threading.local()
         self.zero_copy_write = True          # False after the kernel refused once
-        self.zero_copy_read = True
+        global _BYTES_FILLER
+        if _BYTES_FILLER is False:           # once per process, here rather than in a read
+            _BYTES_FILLER = _bytes_filler()
+        self.zero_copy_read = _BYTES_FILLER is not None
 
     def pwrite(self, off: int, data: Buffer, n: int) -> None:
         """Write all ``n`` bytes of ``data`` (a buffer or a scatter list) at ``off``.
@@ -542,10 +545,7 @@ class _DirectIO:
 
     def _pread_bytes(self, off: int, length: int) -> bytes | None:
         """Aligned read straight into a new ``bytes``; None when not possible here."""
-        global _BYTES_FILLER
-        if _BYTES_FILLER is False:
-            _BYTES_FILLER = _bytes_filler()
-        if _BYTES_FILLER is None:
+        if not _BYTES_FILLER:
             self.zero_copy_read = False
             return None
         new_bytes, pread_into = _BYTES_FILLER

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The device layer's O_DIRECT block path against dd, side by side, alternating (issue 10).
 
-``--host``: this host has no zoned block device, so the same aligned bounce-buffer O_DIRECT
-code that ``BlockZonedDevice`` runs (``retainzfs.device._DirectIO``) is driven through
+``--host``: this host has no zoned block device, so the same O_DIRECT code that
+``BlockZonedDevice`` runs (``retainzfs.device._DirectIO``: zero copy where the kernel takes the
+caller's memory, else aligned bounce buffers) is driven through
 ``ImageZonedDevice(path, direct=True)`` on a regular file: N MiB written sequentially across
 zones with ``dev.write(zone, wp, buf)`` and 1 MiB buffers, then ``dev.flush()``; versus
 ``dd if=/dev/zero of=FILE bs=1M count=N oflag=direct conv=fsync`` on the same file system.
@@ -14,11 +15,17 @@ zoned namespace (/dev/nvme0n1): ``BlockZonedDevice`` write/read versus dd ``ofla
 ``iflag=direct`` on the same namespace, every zone reset (``blkzone reset``) before each
 write.  dd writes the whole range in one sequential stream when zone capacity == zone size
 (each 1 MiB write lands at its zone's write pointer), else one dd per zone (``seek`` at the
-zone start, ``count`` = capacity).  ``--guest`` is that inner half (run by ``--qemu``).
+zone start, ``count`` = capacity, ``conv=fsync`` on the last one only; each dd pays its
+own first touch of its buffer, which costs real time under TCG).  An untimed warm-up of both sides runs first
+(TCG translates each code path on its first run).  ``--guest`` is that inner half (run by
+``--qemu``).  Under TCG every CPU instruction of either side is emulated, so the guest
+figures weigh CPU work (copies, Python) far more than a real NVMe host would.
 
 Printed: MiB/s of each side (median over ``--rounds`` alternating rounds), the ratio
 retainzfs / dd (higher is better, 1.0 = as fast as dd) for write and read, and CPU seconds
-per GiB of the Python process (and of dd).  Then an untimed bit-exact check of the O_DIRECT
+per GiB of the Python process (and of dd); whether writes and reads ran zero copy; two
+diagnostic rows (the same offsets as raw aligned pwrite/pread, no copy, no zone bookkeeping)
+that show what the copies cost.  Then an untimed bit-exact check of the O_DIRECT
 path (odd-sized writes, chunk-crossing writes, unaligned reads, a buffered reopen).  The last
 line is ``RESULT {json}``.
 
@@ -458,7 +465,8 @@ def dd_zoned_write(dev: str, nbytes: int, zsize: int, zcap: int, mode: str) -> t
     """dd onto the zoned device from zone 0 (all zones reset): (dd's seconds, dd processes).
 
     ``whole``: one sequential stream (each 1 MiB write is at its zone's write pointer as long
-    as capacity == zone size); ``zones``: one dd per zone, from its start, capacity bytes.
+    as capacity == zone size); ``zones``: one dd per zone, from its start, capacity bytes,
+    the last with conv=fsync (one device flush in all, as dev_write's single flush).
     """
     if mode == "whole":
         return run_dd("if=/dev/zero", f"of={dev}", "bs=1M", f"count={nbytes // MiB}",
@@ -466,8 +474,9 @@ def dd_zoned_write(dev: str, nbytes: int, zsize: int, zcap: int, mode: str) -> t
     left, z, secs = nbytes, 0, 0.0
     while left:
         k = min(left, zcap)
+        last = k == left                    # one device flush at the end, like dev.flush()
         secs += run_dd("if=/dev/zero", f"of={dev}", "bs=1M", f"seek={z * zsize // MiB}",
-                       f"count={k // MiB}", "oflag=direct", "conv=fsync")
+                       f"count={k // MiB}", "oflag=direct", *(["conv=fsync"] if last else []))
         left -= k
         z += 1
     return secs, z
@@ -507,6 +516,29 @@ def guest_main(a) -> int:
     rounds: list[dict] = []
     notes: list[str] = []
     startup = dd_startup()
+    # Untimed warm-up of both sides: under TCG the first run of any code path (the
+    # interpreter's loop, ctypes, the kernel's direct-I/O path) pays for its translation.
+    warm = min(nbytes, 8 * zcap, 8 * MiB)
+    blkzone_reset(path)
+    with D.BlockZonedDevice(path) as dev:
+        dev_write(dev, warm, buf)
+        dev_read(dev, warm)
+        dev_read_nocopy(dev, warm)
+    blkzone_reset(path)
+    with D.BlockZonedDevice(path) as dev:
+        dev_write_nocopy(dev, warm, abuf)
+    blkzone_reset(path)
+    try:
+        dd_zoned_write(path, warm, zsize, zcap, mode)
+    except RuntimeError as e:
+        if mode != "whole":
+            raise
+        notes.append(f"one sequential dd over the zones failed ({' | '.join(str(e).splitlines())}); "
+                     f"one dd per zone instead")
+        mode = "zones"
+        blkzone_reset(path)
+        dd_zoned_write(path, warm, zsize, zcap, mode)
+    dd_zoned_read(path, warm, zsize, zcap, mode)
     for i in range(a.rounds):
         order = ("retainzfs", "dd") if i % 2 == 0 else ("dd", "retainzfs")
         r: dict = {"order": " then ".join(order)}
@@ -544,8 +576,8 @@ def guest_main(a) -> int:
                 except RuntimeError as e:
                     if mode != "whole":
                         raise
-                    notes.append(f"one sequential dd over the zones failed ({e}); "
-                                 f"falling back to one dd per zone")
+                    notes.append(f"one sequential dd over the zones failed "
+                                 f"({' | '.join(str(e).splitlines())}); one dd per zone instead")
                     mode = "zones"
                     blkzone_reset(path)
                     with Timer(children=True) as w:
