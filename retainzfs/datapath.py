@@ -66,6 +66,7 @@ class DataPath:
 
     def read_all_locked(self, inode) -> bytes:
         """All of a (small) file: committed extents and buffered bytes (lock held)."""
+        assert self.s.lock._is_owned(), "read_all_locked without Store.lock"
         out = bytearray(inode.size)
         for dst, zone, zoff, length in inode.extents.lookup(0, inode.size):
             out[dst:dst + length] = self.verified_read(zone, zoff, length, inode.ino, dst)
@@ -124,7 +125,8 @@ class DataPath:
 
     # ------------------------------------------------------------------ zones
     def ensure_open_slot_iolocked(self, zone: int) -> None:
-        """Close least-recently-used data zones so a write to ``zone`` stays within max_open."""
+        """Close least-recently-used data zones so a write to ``zone`` stays within max_open
+        (also the journal's ``ensure_open`` callback, called by its frame writes)."""
         s = self.s
         dev = s.dev
         lru = s.open_lru
@@ -166,6 +168,7 @@ class DataPath:
 
     def save_entry_locked(self, hint: H.Hint) -> list[int]:
         """[expected, placed] of the hint's generation (lock held); one entry per stream."""
+        assert self.s.lock._is_owned(), "save_entry_locked without Store.lock"
         key = (hint.stream, hint.birth)
         ent = self.saves.get(key)
         if ent is None:
@@ -187,6 +190,7 @@ class DataPath:
         make progress, common admission borrows the reserve if the rest of the padded save
         (``declare_save``) fits in it.  Otherwise ENOSPC (a capacity stop)."""
         s = self.s
+        assert s.io_lock._is_owned(), "place_iolocked without io_lock"
         gc_stuck = False
         for attempt in range(s.dev.nr_zones + 8):
             zone = None
@@ -236,6 +240,7 @@ class DataPath:
         be used, the victim never; no GC of its own, no save accounting, and a failure is the
         GC pass's (the caller tries another victim), not a capacity stop."""
         s = self.s
+        assert s.io_lock._is_owned(), "place_copy_iolocked without io_lock"
         with s.lock:
             args = (size, hint.reclaim, hint.birth, s.now, hint.stream, 0)
             try:

@@ -56,6 +56,7 @@ class NamespaceOps:
             raise FsError(errno.ENAMETOOLONG)
 
     def save_inode_locked(self, inode: Inode) -> None:
+        assert self.s.lock._is_owned(), "save_inode_locked without Store.lock"
         size = inode.size                  # the record carries ``durable_size`` (the size
         self.s.do_locked(R.INODE_B, R.pack_inode(inode.to_rec(False), with_tables=False))
         inode.size = size                  # without buffered bytes); memory keeps them
@@ -454,6 +455,7 @@ class StoreHints:
 
     def resolve_locked(self, inode: Inode) -> H.Hint:
         """Hint of a file: its xattrs, an ancestor's xattrs, an ancestor's .retainz, or none."""
+        assert self.s.lock._is_owned(), "resolve_locked without Store.lock"
         return self.resolver.resolve(inode)
 
     def hint_doc_locked(self, inode: Inode) -> bytes:
