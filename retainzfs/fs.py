@@ -13,7 +13,7 @@ import os
 import pyfuse3
 import trio
 
-from .hints import POLICY_NAME
+from .hints import POLICY_NAME, XATTR_PREFIX
 from .store import FsError, Inode, Store
 
 log = logging.getLogger("retainzfs")
@@ -235,7 +235,7 @@ class RetainzOperations(pyfuse3.Operations):
 
     @_fuse_errors
     async def getxattr(self, inode, name, ctx):
-        if name.startswith(b"user.retainz."):     # may match policy regexes: not on the loop
+        if name.startswith(XATTR_PREFIX):     # may match policy regexes: not on the loop
             return await _run(self.store.getxattr, inode, name)
         return self.store.getxattr(inode, name)
 

@@ -30,6 +30,10 @@ XATTR_STATUS = b"user.retainz.status"
 XATTR_ZONEMAP = b"user.retainz.zonemap."
 ZONEMAP_ROWS = 1024
 VIRTUAL_XATTRS = (XATTR_ZONES, XATTR_HINT, XATTR_STATUS)
+#: set by ``retainzfs fsck --repair`` on files with data past a damaged zone's write pointer
+XATTR_DAMAGED = b"user.retainz.damaged"
+#: the prefix of every retainzfs xattr (the FUSE adapter keeps these off the event loop)
+XATTR_PREFIX = b"user.retainz."
 
 #: births and streams are journaled as signed 64-bit integers (records.pack_inode)
 EPOCH_MAX = (1 << 63) - 1
@@ -297,6 +301,79 @@ def nongeneration_hint(policy: Policy, components: list[str], sibling_births: li
         cadence = policy.cadence or infer_cadence(sibling_births) or max(birth, 1)
         return Hint(birth, float(birth + cadence), stream, "policy-rolling")
     return Hint(0, INF, stream, "policy-nongeneration")
+
+
+class HintResolver:
+    """The one hint resolution: a file's own hint xattrs, else an ancestor's hint xattrs
+    (``xattr-inherited``), else the nearest ancestor's ``.retainz`` policy (a generation below
+    it, a rolling file, or an anchor), else :data:`UNHINTED`.
+
+    The store resolves over inodes, ``retainzfs hints`` over paths of a mount; both subclass this
+    and say only how to walk their tree, so they cannot disagree on the rules (the default
+    stream of a policy without ``stream`` is the policy directory's inode number)."""
+
+    def parent(self, node):
+        """The directory holding ``node``, or None at the root (or when it is unknown)."""
+        raise NotImplementedError
+
+    def name(self, node) -> str:
+        """The name of ``node`` in its parent."""
+        raise NotImplementedError
+
+    def xattrs(self, node) -> dict:
+        """``node``'s xattrs (at least the hint xattrs), name bytes -> value bytes."""
+        raise NotImplementedError
+
+    def policy(self, d) -> Policy | None:
+        """The ``.retainz`` policy in force in directory ``d`` itself (not inherited)."""
+        raise NotImplementedError
+
+    def entry_names(self, d):
+        """Names of the entries of directory ``d`` (str)."""
+        raise NotImplementedError
+
+    def dir_id(self, d) -> int:
+        """The inode number of directory ``d`` (the default stream of its policy)."""
+        raise NotImplementedError
+
+    def resolve(self, node) -> Hint:
+        h = hint_from_xattrs(self.xattrs(node))
+        if h is not None:
+            return h
+        chain = []          # (dir, name of the child on the path below it)
+        child = node
+        while True:
+            parent = self.parent(child)
+            if parent is None:
+                break
+            chain.append((parent, self.name(child)))
+            child = parent
+        names_below: list[str] = []
+        for depth, (d, name) in enumerate(chain):
+            names_below.insert(0, name)
+            h = hint_from_xattrs(self.xattrs(d))
+            if h is not None:
+                return Hint(h.birth, h.reclaim, h.stream, "xattr-inherited")
+            pol = self.policy(d)
+            if pol is None:
+                continue
+            stream = pol.stream if pol.stream is not None else self.dir_id(d)
+            for k, comp in enumerate(names_below):
+                if generation_birth(pol, comp) is None:
+                    continue
+                # births of the generation siblings: entries of the dir holding the generation
+                holder = chain[depth - k][0] if k <= depth else d
+                sibs = [b for b in (generation_birth(pol, n) for n in self.entry_names(holder))
+                        if b is not None]
+                h = derive_hint(pol, names_below[k:], sibs, stream)
+                if h is not None:
+                    return h
+                break
+            # not in a generation: a rolling file (tracker, last.ckpt) dies at the next save
+            sibs = [b for b in (generation_birth(pol, n) for n in self.entry_names(chain[0][0]))
+                    if b is not None]
+            return nongeneration_hint(pol, names_below, sibs, stream)
+        return UNHINTED
 
 
 def round_hint(hint: float, grid: int) -> float:

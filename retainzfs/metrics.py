@@ -57,7 +57,7 @@ class StoreCollector:
             yield c
         yield GaugeMetricFamily("retainzfs_capacity_stop", "1 after an ENOSPC until space is "
                                 "freed", value=1.0 if st["capacity_stop"] else 0.0)
-        h = self.store.commit_hist
+        h = self.store.report.commit_hist
         yield HistogramMetricFamily("retainzfs_commit_seconds", "close/fsync commit latency",
                                     buckets=h.cumulative(), sum_value=h.sum)
 

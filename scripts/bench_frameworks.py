@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+from retainzfs.hints import XATTR_STATUS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))       # fw_common (TorchTitan reproduction)
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -48,7 +50,7 @@ def sh(*argv, check=True):
 
 
 def status(mnt: str) -> dict:
-    return json.loads(os.getxattr(mnt, "user.retainz.status"))
+    return json.loads(os.getxattr(mnt, XATTR_STATUS))
 
 
 def make_state(save_bytes: int, seed: int):

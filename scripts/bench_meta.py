@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 
+from retainzfs.hints import XATTR_STATUS
 from benchutil import daemon_pid, peak_rss
 
 MiB = 1 << 20
@@ -37,7 +38,7 @@ TARGET_RSS = 300 * MiB
 
 
 def _status(mnt: str) -> dict:
-    return json.loads(os.getxattr(mnt, "user.retainz.status"))
+    return json.loads(os.getxattr(mnt, XATTR_STATUS))
 
 
 def bench_mount(n: int, work: str) -> dict:

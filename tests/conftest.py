@@ -23,6 +23,7 @@ import time
 
 import pytest
 import xattr
+from retainzfs import hints as H
 
 MKFS = shutil.which("mkfs.retainzfs") or "mkfs.retainzfs"
 MOUNT = shutil.which("mount.retainzfs") or "mount.retainzfs"
@@ -167,11 +168,11 @@ class Mount:
         import json
         for _ in range(5):     # the live document may grow between getxattr's two calls
             try:
-                return json.loads(xattr.getxattr(self.path, "user.retainz.status"))
+                return json.loads(xattr.getxattr(self.path, H.XATTR_STATUS))
             except OSError as e:
                 if e.errno != errno.ERANGE:
                     raise
-        return json.loads(xattr.getxattr(self.path, "user.retainz.status"))
+        return json.loads(xattr.getxattr(self.path, H.XATTR_STATUS))
 
     def daemon_log(self) -> str:
         try:

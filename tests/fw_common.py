@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 import xattr
+from retainzfs import hints as H
 
 VOCAB = 256
 
@@ -356,11 +357,11 @@ def tree_digest(root) -> dict[str, str]:
 
 
 def hint_of(path) -> dict:
-    return json.loads(xattr.getxattr(path, "user.retainz.hint"))
+    return json.loads(xattr.getxattr(path, H.XATTR_HINT))
 
 
 def zones_of(path) -> list[int]:
-    raw = xattr.getxattr(path, "user.retainz.zones").decode()
+    raw = xattr.getxattr(path, H.XATTR_ZONES).decode()
     return [int(z) for z in raw.split(",") if z]
 
 
@@ -413,7 +414,7 @@ def zone_rows(mountpoint) -> list[list]:
     the root's paged ``user.retainz.zonemap.<first>`` xattrs."""
     rows: list[list] = []
     while True:
-        page = json.loads(xattr.getxattr(os.fspath(mountpoint), f"user.retainz.zonemap.{len(rows)}"))
+        page = json.loads(xattr.getxattr(os.fspath(mountpoint), H.XATTR_ZONEMAP + b"%d" % len(rows)))
         rows += page["rows"]
         if not page["rows"] or len(rows) >= page["nr_zones"]:
             return rows

@@ -13,6 +13,7 @@ import xattr
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from retainzfs import hints as H
 
 torch.set_num_threads(1)       # tiny model; more threads only fight the daemon for the CPUs
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -89,7 +90,7 @@ def test_dcp_save_load_roundtrip(mounted):
         dcp.save(ref, checkpoint_id=str(mounted / "ckpt" / f"step-{step}"))
     files = sorted(os.listdir(mounted / "ckpt" / "step-300"))
     assert ".metadata" in files and any(f.endswith(".distcp") for f in files), files
-    hint = json.loads(xattr.getxattr(mounted / "ckpt" / "step-300" / files[-1], "user.retainz.hint"))
+    hint = json.loads(xattr.getxattr(mounted / "ckpt" / "step-300" / files[-1], H.XATTR_HINT))
     assert hint["birth"] == 300 and hint["reclaim"] == 500
 
     def load_into_fresh(path):

@@ -15,6 +15,7 @@ import pytest
 import xattr
 
 from conftest import MKFS, MOUNT, RETAINZFS, daemon_pids, image_locked, is_mounted, run, wait_for
+from retainzfs import hints as H
 
 MiB = 1 << 20
 
@@ -244,7 +245,7 @@ def test_latest_k_loop_resets_zones(mounted):
     written = gens * 2 * len(shard)
     assert written > (1 << 30)            # more than the device: reclaim had to work
     assert sorted(os.listdir(run_dir)) == [".retainz", "step-1030", "step-1040", "step-1050"]
-    h = json.loads(xattr.getxattr(run_dir / "step-1050" / "shard0.distcp", "user.retainz.hint"))
+    h = json.loads(xattr.getxattr(run_dir / "step-1050" / "shard0.distcp", H.XATTR_HINT))
     assert (h["birth"], h["reclaim"]) == (1050, 1080)
     st = status_json(mounted.path)
     assert st["zone_resets"] > 0
@@ -514,33 +515,33 @@ def test_mountpoint_in_use_and_image_in_use(make_image, mount_image, tmp_path):
 def test_bad_xattr_value(mounted):
     p = mounted / "f"
     p.write_bytes(b"x" * 1000)
-    xattr.setxattr(p, "user.retainz.reclaim", b"300")
+    xattr.setxattr(p, H.XATTR_RECLAIM, b"300")
     for bad in (b"abc", b"", b"1.5", b"-", b"12abc"):
         with pytest.raises(OSError) as ei:
-            xattr.setxattr(p, "user.retainz.reclaim", bad)
+            xattr.setxattr(p, H.XATTR_RECLAIM, bad)
         assert ei.value.errno == errno.EINVAL
     with pytest.raises(OSError) as ei:
-        xattr.setxattr(p, "user.retainz.birth", b"-5")
+        xattr.setxattr(p, H.XATTR_BIRTH, b"-5")
     assert ei.value.errno == errno.EINVAL
-    assert xattr.getxattr(p, "user.retainz.reclaim") == b"300"          # nothing changed
+    assert xattr.getxattr(p, H.XATTR_RECLAIM) == b"300"          # nothing changed
     with pytest.raises(OSError) as ei:
-        xattr.getxattr(p, "user.retainz.birth")
+        xattr.getxattr(p, H.XATTR_BIRTH)
     assert ei.value.errno == errno.ENODATA
     # a real program gets EINVAL too
-    r = run("setfattr", "-n", "user.retainz.reclaim", "-v", "abc", p, check=False)
+    r = run("setfattr", "-n", H.XATTR_RECLAIM.decode(), "-v", "abc", p, check=False)
     assert r.returncode != 0 and "Invalid argument" in r.stderr
     (mounted / "d").mkdir()
     with pytest.raises(OSError) as ei:
-        xattr.setxattr(mounted / "d", "user.retainz.reclaim", b"abc")
+        xattr.setxattr(mounted / "d", H.XATTR_RECLAIM, b"abc")
     assert ei.value.errno == errno.EINVAL
-    assert "user.retainz.reclaim" not in xattr.listxattr(mounted / "d")
+    assert H.XATTR_RECLAIM.decode() not in xattr.listxattr(mounted / "d")
     # virtual xattrs are read-only
     with pytest.raises(OSError):
-        xattr.setxattr(p, "user.retainz.zones", b"1")
-    xattr.setxattr(p, "user.retainz.reclaim", b"inf")
-    assert xattr.getxattr(p, "user.retainz.reclaim") == b"inf"
+        xattr.setxattr(p, H.XATTR_ZONES, b"1")
+    xattr.setxattr(p, H.XATTR_RECLAIM, b"inf")
+    assert xattr.getxattr(p, H.XATTR_RECLAIM) == b"inf"
     mounted.remount()
-    assert xattr.getxattr(p, "user.retainz.reclaim") == b"inf"
+    assert xattr.getxattr(p, H.XATTR_RECLAIM) == b"inf"
     assert p.read_bytes() == b"x" * 1000
 
 
@@ -551,7 +552,7 @@ def test_malformed_retainz_policy(mounted):
     (run_dir / "step-100").mkdir()
     data = os.urandom(2 * MiB)
     (run_dir / "step-100" / "shard").write_bytes(data)
-    h = json.loads(xattr.getxattr(run_dir / "step-100" / "shard", "user.retainz.hint"))
+    h = json.loads(xattr.getxattr(run_dir / "step-100" / "shard", H.XATTR_HINT))
     assert h["reclaim"] == 400
     bads = ["keep_latest = 'three'\n", "keep_latest = = 3\n", "preset = \"nope\"\n",
             "unknown_key = 1\n", "generation = '('\n", "keep_latest = -1\n"]
@@ -571,7 +572,7 @@ def test_malformed_retainz_policy(mounted):
     # the previous valid policy still applies to new generations
     (run_dir / "step-200").mkdir()
     (run_dir / "step-200" / "shard").write_bytes(b"y" * 100_000)
-    h = json.loads(xattr.getxattr(run_dir / "step-200" / "shard", "user.retainz.hint"))
+    h = json.loads(xattr.getxattr(run_dir / "step-200" / "shard", H.XATTR_HINT))
     assert h["reclaim"] == 500
     assert "Traceback" not in mounted.daemon_log()
     assert ".retainz" in mounted.daemon_log()                           # and a log line

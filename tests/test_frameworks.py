@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import fw_common as C  # noqa: E402
 from conftest import RETAINZFS, run  # noqa: E402
+from retainzfs import hints as H  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 torch.set_num_threads(1)          # leave the second core to the FUSE daemon
@@ -426,8 +427,8 @@ def test_runtime_api_tag_generation_and_retainz_writer(mounted, tmp_path):
     # explicit tag wins over the directory's .retainz (nearest declaration first)
     gen = tag_generation(run_dir / "step-100", 100, latest_k_hint(100, 100, 5), stream=2)
     assert os.path.isdir(gen)
-    assert xattr.getxattr(gen, "user.retainz.birth") == b"100"
-    assert xattr.getxattr(gen, "user.retainz.reclaim") == b"600"
+    assert xattr.getxattr(gen, H.XATTR_BIRTH) == b"100"
+    assert xattr.getxattr(gen, H.XATTR_RECLAIM) == b"600"
     with open(os.path.join(gen, "shard0"), "wb") as f:
         f.write(os.urandom(3 << 20))
     h = hint_of(os.path.join(gen, "shard0"))

@@ -28,6 +28,7 @@ torch = pytest.importorskip("torch")
 import xattr  # noqa: E402
 
 import fw_common as C  # noqa: E402
+from retainzfs import hints as H
 
 torch.set_num_threads(1)          # leave the second core to the FUSE daemon
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -37,7 +38,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"),
 
 def hint(path) -> dict:
     import json
-    return json.loads(xattr.getxattr(os.fspath(path), "user.retainz.hint"))
+    return json.loads(xattr.getxattr(os.fspath(path), H.XATTR_HINT))
 
 
 def assert_hints(files, birth: int, reclaim, source: str = "policy") -> None:

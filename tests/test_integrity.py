@@ -38,9 +38,10 @@ import pytest
 import xattr
 
 from conftest import MOUNT, RETAINZFS, Mount, image_locked, mkfs, run, wait_for
+from retainzfs import hints as H
 
 MiB = 1 << 20
-VIRTUAL = {"user.retainz.hint", "user.retainz.zones", "user.retainz.status"}
+VIRTUAL = {x.decode() for x in H.VIRTUAL_XATTRS}
 _FH = struct.Struct("<4sIQIIII")         # frame header: magic, hcrc, seq, fsid, nbytes, nblocks, bcrc
 
 
@@ -392,8 +393,8 @@ def build_workload_image(root) -> tuple:
             _write(m / ("a", "a/b", "c")[i % 3] / f"f{i}", rng.randbytes(n), fsync=i % 2 == 0)
         xattr.setxattr(m / "a/f0", "user.tag", b"zero")
         xattr.setxattr(m / "a/b", "user.dir", b"\x00\xffbinary")
-        xattr.setxattr(m / "c", "user.retainz.birth", b"5")
-        xattr.setxattr(m / "c", "user.retainz.reclaim", b"20")
+        xattr.setxattr(m / "c", H.XATTR_BIRTH, b"5")
+        xattr.setxattr(m / "c", H.XATTR_RECLAIM, b"20")
         os.symlink("b/f1", m / "a/link")
         os.link(m / "a/f3", m / "a/hard")
         m.remount()
@@ -774,7 +775,7 @@ def test_damage_through_real_mounts(workload_image, tmp_path):
         else:
             try:
                 got = tree_of_mount(mnt)
-                st = json.loads(xattr.getxattr(mnt, "user.retainz.status"))
+                st = json.loads(xattr.getxattr(mnt, H.XATTR_STATUS))
                 eio = {k for k, v in got.items() if v[3] == "EIO"}
                 outcome = "eio" if eio else "recovered"
                 d = [x for x in _diff(expected, got)

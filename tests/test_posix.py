@@ -22,6 +22,7 @@ import pytest
 import xattr
 
 from conftest import run
+from retainzfs import hints as H
 
 MiB = 1 << 20
 
@@ -707,18 +708,18 @@ def test_xattrs(mounted):
     # hint xattrs on a directory are inherited; the virtual hint xattr reports it
     d = mounted / "gen"
     d.mkdir()
-    xattr.setxattr(d, "user.retainz.birth", b"100")
-    xattr.setxattr(d, "user.retainz.reclaim", b"400")
+    xattr.setxattr(d, H.XATTR_BIRTH, b"100")
+    xattr.setxattr(d, H.XATTR_RECLAIM, b"400")
     write_file(d / "shard", rand_bytes(MiB, 40))
-    h = json.loads(xattr.getxattr(d / "shard", "user.retainz.hint"))
+    h = json.loads(xattr.getxattr(d / "shard", H.XATTR_HINT))
     assert (h["birth"], h["reclaim"]) == (100, 400)
-    assert xattr.getxattr(d / "shard", "user.retainz.zones")
+    assert xattr.getxattr(d / "shard", H.XATTR_ZONES)
     # a hint set right after create (data already written, still buffered) still counts
     with open(mounted / "late_hint", "wb") as f:
         f.write(rand_bytes(100_000, 41))
-        xattr.setxattr(f.fileno(), "user.retainz.birth", b"7")
-        xattr.setxattr(f.fileno(), "user.retainz.reclaim", b"inf")
-    h = json.loads(xattr.getxattr(mounted / "late_hint", "user.retainz.hint"))
+        xattr.setxattr(f.fileno(), H.XATTR_BIRTH, b"7")
+        xattr.setxattr(f.fileno(), H.XATTR_RECLAIM, b"inf")
+    h = json.loads(xattr.getxattr(mounted / "late_hint", H.XATTR_HINT))
     assert (h["birth"], h["reclaim"]) == (7, "inf")
     xattr.setxattr(mounted.path, "user.on_root", b"r")
     # getfattr (a real program) agrees
@@ -728,7 +729,7 @@ def test_xattrs(mounted):
     mounted.remount()
     assert xattr.getxattr(p, "user.b") == b"\x00binary\xff" * 100
     assert "user.a" not in xattr.listxattr(p)
-    assert xattr.getxattr(d, "user.retainz.reclaim") == b"400"
+    assert xattr.getxattr(d, H.XATTR_RECLAIM) == b"400"
     assert xattr.getxattr(mounted.path, "user.on_root") == b"r"
 
 

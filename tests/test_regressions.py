@@ -18,6 +18,7 @@ import xattr
 
 from conftest import MOUNT, RETAINZFS, is_mounted, run
 from test_durability import one_line_error
+from retainzfs import hints as H
 
 MiB = 1 << 20
 
@@ -170,7 +171,7 @@ def test_long_names_give_enametoolong_everywhere(mounted):
 
 # ------------------------------------------------------------------ 4. offline zone
 def _zones_of(path) -> list[int]:
-    v = xattr.getxattr(path, "user.retainz.zones").decode()
+    v = xattr.getxattr(path, H.XATTR_ZONES).decode()
     return [int(z) for z in v.split(",") if z]
 
 
@@ -216,7 +217,7 @@ def test_failed_zone_costs_only_its_files(mounted, cond):
         assert "/run" in st["policy_errors"], st          # the last valid one stays in force
     (d / "step-7").mkdir()
     (d / "step-7" / "x").write_bytes(b"x")
-    assert json.loads(xattr.getxattr(d / "step-7" / "x", "user.retainz.hint"))["reclaim"] == 10
+    assert json.loads(xattr.getxattr(d / "step-7" / "x", H.XATTR_HINT))["reclaim"] == 10
     # everything else works: new files, remount
     (mounted / "new").write_bytes(b"n" * MiB)
     mounted.remount()
@@ -305,7 +306,7 @@ def test_bad_mount_options_one_line_before_fork(image, tmp_path, opt, needle):
 
 # ------------------------------------------------------------------ 8. .retainz
 def _hint(path) -> dict:
-    return json.loads(xattr.getxattr(path, "user.retainz.hint"))
+    return json.loads(xattr.getxattr(path, H.XATTR_HINT))
 
 
 def test_policy_stays_in_force_across_remount(mounted):
@@ -381,7 +382,7 @@ def test_slow_generation_regex_does_not_stall_the_mount(mounted):
 def test_negative_reclaim_refused(mounted):
     f = mounted / "f"
     f.write_bytes(b"")
-    for name in ("user.retainz.reclaim", "user.retainz.birth", "user.retainz.stream"):
+    for name in (H.XATTR_RECLAIM, H.XATTR_BIRTH, H.XATTR_STREAM):
         with pytest.raises(OSError) as ei:
             xattr.setxattr(f, name, b"-5")
         assert ei.value.errno == errno.EINVAL, name
@@ -488,8 +489,8 @@ def test_status_xattr_size_survives_getxattrs_two_calls(mounted):
     sizes = set()
     for i in range(50):
         (mounted / f"f{i}").write_bytes(b"x" * (i * 997))
-        n = len(xattr.getxattr(mounted.path, "user.retainz.status"))
+        n = len(xattr.getxattr(mounted.path, H.XATTR_STATUS))
         assert n % 1024 == 0
         sizes.add(n)
-        assert json.loads(xattr.getxattr(mounted.path, "user.retainz.status"))["files"] >= i
+        assert json.loads(xattr.getxattr(mounted.path, H.XATTR_STATUS))["files"] >= i
     assert len(sizes) <= 2

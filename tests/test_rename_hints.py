@@ -9,12 +9,13 @@ import subprocess
 import xattr
 
 from conftest import RETAINZFS, run
+from retainzfs import hints as H
 
 MiB = 1 << 20
 
 
 def _hint(p) -> dict:
-    return json.loads(xattr.getxattr(p, "user.retainz.hint"))
+    return json.loads(xattr.getxattr(p, H.XATTR_HINT))
 
 
 def test_nvrx_preset_covers_dirty_and_final_names(mounted):

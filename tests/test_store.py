@@ -9,6 +9,7 @@ import random
 import pytest
 
 from retainzfs import _journal as J
+from retainzfs import hints as H
 from retainzfs.device import create_image, open_device
 from retainzfs.store import FsError, Store, StoreOptions
 from retainzfs.superblock import FormatError
@@ -121,8 +122,8 @@ def test_latest_k_reclaims_without_copy(tmp_path):
     for g in range(60):
         birth = g * cadence
         d = s.mkdir(1, f"step-{birth}".encode(), 0o755).ino
-        s.setxattr(d, b"user.retainz.birth", str(birth).encode())
-        s.setxattr(d, b"user.retainz.reclaim", str(birth + keep * cadence).encode())
+        s.setxattr(d, H.XATTR_BIRTH, str(birth).encode())
+        s.setxattr(d, H.XATTR_RECLAIM, str(birth + keep * cadence).encode())
         put(s, d, b"shard", os.urandom(3 * MiB + 1234))
         live.append(birth)
         if len(live) > keep:
@@ -273,3 +274,33 @@ def test_buffered_tail_never_journaled_as_size(tmp_path, how):
     assert got.size == len(head)
     assert s2.read(ino, 0, 1 << 20) == head
     assert s2.check() == []
+
+
+def test_lock_discipline_is_asserted(tmp_path):
+    """``*_locked`` functions need Store.lock, ``*_iolocked`` ones io_lock; both assert it
+    (tests run with asserts on: a call path that forgets a lock fails here, not in a race)."""
+    from retainzfs import records as R
+    from retainzfs.writebuf import Chunks
+    path, dev, s = fresh(tmp_path)
+    ino = s.create(1, b"f", 0o644).ino
+    for call in (lambda: s.do_locked(R.ZONE_FINISH, R.pack_zone(5)),
+                 lambda: s.ns.save_inode_locked(s.inodes[ino]),
+                 lambda: s.reclaim.dead_locked([]),
+                 lambda: s.hints.resolve_locked(s.inodes[ino]),
+                 lambda: s.data.write_iolocked(ino, 0, Chunks([b"x"]), H.UNHINTED),
+                 lambda: s.reclaim.reset_zones_iolocked([]),
+                 lambda: s.reclaim.gc_once_iolocked(),
+                 lambda: s.journal_flush_iolocked(sync=False)):
+        with pytest.raises(AssertionError):
+            call()
+    with s.lock:                      # Store.lock alone does not make io_lock functions legal
+        with pytest.raises(AssertionError):
+            s.data.write_iolocked(ino, 0, Chunks([b"x"]), H.UNHINTED)
+        assert s.hints.resolve_locked(s.inodes[ino]) == H.UNHINTED
+    with s.io_lock:
+        s.data.write_iolocked(ino, 0, Chunks([b"x" * 10]), H.UNHINTED)
+        with s.lock:
+            s.inodes[ino].size = 10           # what OpenFiles.write does before the flush
+    assert s.read(ino, 0, 10) == b"x" * 10 and s.check() == []
+    s.close()
+    dev.close()

@@ -26,6 +26,7 @@ import pytest
 
 import fw_common as C
 from conftest import mkfs
+from retainzfs import hints as H
 
 HERE = pathlib.Path(__file__).resolve().parent
 pytestmark = pytest.mark.multirank
@@ -69,7 +70,7 @@ def node_files(m) -> dict[int, list[str]]:
 
 def hint(p) -> dict:
     import xattr
-    return json.loads(xattr.getxattr(os.fspath(p), "user.retainz.hint"))
+    return json.loads(xattr.getxattr(os.fspath(p), H.XATTR_HINT))
 
 
 def test_two_nodes_nvrx_replication_survives_a_lost_node(make_image, mount_image, tmp_path, say):

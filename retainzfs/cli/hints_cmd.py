@@ -7,7 +7,8 @@ A *generation* is a directory or file below PATH that either carries hint xattrs
 `.retainz` policy (its preset or `generation` regex).  Other regular files (e.g. Megatron's
 `latest_checkpointed_iteration.txt`) and symlinks (Lightning's `last.ckpt`) are listed too.
 Everything comes from the mount's virtual xattrs (`user.retainz.hint`, `user.retainz.zones`), so
-this is exactly what the placement used.
+this is exactly what the placement used; a generation with no data yet is predicted by the same
+:class:`retainzfs.hints.HintResolver` the store uses, walking the mount's paths.
 """
 from __future__ import annotations
 
@@ -22,11 +23,8 @@ import stat
 from .. import hints as H
 from .common import die, is_retainzfs_mount, mount_root
 
-X_HINT = "user.retainz.hint"
-X_ZONES = "user.retainz.zones"
-X_BIRTH = "user.retainz.birth"
-X_RECLAIM = "user.retainz.reclaim"
-X_STREAM = "user.retainz.stream"
+X_HINT = H.XATTR_HINT.decode()
+X_ZONES = H.XATTR_ZONES.decode()
 
 
 def add_hints_args(p) -> None:
@@ -53,43 +51,93 @@ class _Policies:
     def __init__(self, root: str):
         self.root = root
         self.cache: dict[str, tuple[str, H.Policy] | None] = {}
+        self.mine: dict[str, H.Policy | None] = {}
         self.found: dict[str, dict] = {}
 
-    def of(self, d: str) -> tuple[str, H.Policy] | None:
+    def own(self, d: str) -> H.Policy | None:
+        """The valid `.retainz` in directory ``d`` itself."""
         d = os.path.realpath(d)
-        if d in self.cache:
-            return self.cache[d]
-        res = None
-        f = os.path.join(d, ".retainz")
+        if d in self.mine:
+            return self.mine[d]
+        pol = None
+        f = os.path.join(d, H.POLICY_NAME.decode())
         if os.path.isfile(f):
             try:
                 with open(f, "rb") as fh:
                     pol = H.parse_policy(fh.read())
-                res = (d, pol)
                 self.found[d] = {"preset": pol.preset, "keep_latest": pol.keep_latest,
                                  "cadence": pol.cadence, "generation": pol.generation,
                                  "milestone_every": pol.milestone_every, "rolling": pol.rolling,
                                  "stream": pol.stream}
             except (OSError, H.HintError) as e:
                 self.found[d] = {"error": str(e)}
+        self.mine[d] = pol
+        return pol
+
+    def of(self, d: str) -> tuple[str, H.Policy] | None:
+        """The nearest valid `.retainz` at or above ``d``: (its directory, the policy)."""
+        d = os.path.realpath(d)
+        if d in self.cache:
+            return self.cache[d]
+        pol = self.own(d)
+        res = (d, pol) if pol is not None else None
         if res is None and d != self.root and d.startswith(self.root):
             res = self.of(os.path.dirname(d))
         self.cache[d] = res
         return res
 
 
-def _xattr_hint(path: str) -> dict | None:
-    r = _getx(path, X_RECLAIM)
-    if r is None:
-        return None
-    b = _getx(path, X_BIRTH)
-    s = _getx(path, X_STREAM)
+class _PathTree(H.HintResolver):
+    """The store's hint resolution (:class:`retainzfs.hints.HintResolver`) over the paths of a
+    mount: the same rules, so a prediction is what the store will place with."""
+
+    def __init__(self, root: str, pols: _Policies):
+        self.root = root
+        self.pols = pols
+        self.listing: dict[str, list[str]] = {}
+
+    def parent(self, p: str) -> str | None:
+        if p == self.root or not p.startswith(self.root):
+            return None
+        return os.path.dirname(p)
+
+    def name(self, p: str) -> str:
+        return os.path.basename(p)
+
+    def xattrs(self, p: str) -> dict:
+        out = {}
+        for x in H.HINT_XATTRS:
+            v = _getx(p, x.decode())
+            if v is not None:
+                out[x] = v
+        return out
+
+    def policy(self, d: str) -> H.Policy | None:
+        return self.pols.own(d)
+
+    def entry_names(self, d: str) -> list[str]:
+        if d not in self.listing:
+            try:
+                self.listing[d] = os.listdir(d)
+            except OSError:
+                self.listing[d] = []
+        return self.listing[d]
+
+    def dir_id(self, d: str) -> int:
+        return os.stat(d).st_ino          # the store's inode number (the FUSE st_ino)
+
+
+def _hint_row(h: H.Hint) -> dict:
+    return {"birth": h.birth, "reclaim": "inf" if h.anchor else int(h.reclaim),
+            "stream": h.stream, "source": h.source}
+
+
+def _xattr_hint(tree: _PathTree, path: str) -> dict | None:
     try:
-        rec = H.validate_xattr(H.XATTR_RECLAIM, r)
-        return {"birth": int(b) if b else 0, "reclaim": "inf" if math.isinf(rec) else int(rec),
-                "stream": int(s) if s else 0, "source": "xattr"}
-    except (ValueError, H.HintError):
+        h = H.hint_from_xattrs(tree.xattrs(path))
+    except H.HintError:
         return None
+    return _hint_row(h) if h is not None else None
 
 
 def _file_info(path: str) -> tuple[dict | None, list[int], int]:
@@ -153,17 +201,10 @@ def _row(path: str, rel: str, kind: str, predicted: dict | None) -> dict:
     return row
 
 
-def _predict(pol_entry, d: str, name: str, sib_births: list[int]) -> dict | None:
-    if pol_entry is None:
-        return None
-    pdir, pol = pol_entry
-    comps = os.path.relpath(os.path.join(d, name), pdir).split(os.sep)
-    stream = pol.stream if pol.stream is not None else 0
-    h = H.derive_hint(pol, comps, sib_births, stream)
-    if h is None:
-        return None
-    return {"birth": h.birth, "reclaim": "inf" if h.anchor else int(h.reclaim),
-            "stream": h.stream, "source": h.source}
+def _predict(tree: _PathTree, path: str) -> dict | None:
+    """The hint the store will give data written below ``path`` (a generation)."""
+    h = tree.resolve(path)
+    return None if h.source == "none" else _hint_row(h)
 
 
 def collect(path: str) -> dict:
@@ -173,22 +214,23 @@ def collect(path: str) -> dict:
         die(f"{path} is not on a retainzfs mount")
     top = os.path.realpath(path)
     pols = _Policies(root)
+    tree = _PathTree(root, pols)
     rows: list[dict] = []
 
     def rel(p: str) -> str:
         r = os.path.relpath(p, top)
         return os.path.basename(top) if r == "." else r
 
-    def classify(d: str, name: str, sib_births: list[int]):
+    def classify(d: str, name: str):
         p = os.path.join(d, name)
-        xh = _xattr_hint(p)
+        xh = _xattr_hint(tree, p)
         if xh is not None:
             return "generation", xh
         pe = pols.of(d)
         if pe is not None and name != ".retainz":
             b = H.generation_birth(pe[1], name)
             if b is not None:
-                return "generation", _predict(pe, d, name, sib_births)
+                return "generation", _predict(tree, p)
         return None, None
 
     def visit(d: str) -> None:
@@ -196,14 +238,11 @@ def collect(path: str) -> dict:
             names = sorted(os.listdir(d))
         except OSError:
             return
-        pe = pols.of(d)
-        births = [b for b in (H.generation_birth(pe[1], n) for n in names)
-                  if b is not None] if pe else []
         subdirs = []
         for name in names:
             p = os.path.join(d, name)
             st = os.lstat(p)
-            kind, pred = classify(d, name, births)
+            kind, pred = classify(d, name)
             if kind:
                 rows.append(_row(p, rel(p), kind, pred))
             elif stat.S_ISLNK(st.st_mode):
@@ -223,13 +262,7 @@ def collect(path: str) -> dict:
     st = os.lstat(top)
     kind, pred = (None, None)
     if top != root:
-        parent = os.path.dirname(top)
-        pe = pols.of(parent)
-        sibs = []
-        if pe:
-            sibs = [b for b in (H.generation_birth(pe[1], n) for n in os.listdir(parent))
-                    if b is not None]
-        kind, pred = classify(parent, os.path.basename(top), sibs)
+        kind, pred = classify(os.path.dirname(top), os.path.basename(top))
     if kind:
         rows.append(_row(top, rel(top), kind, pred))
     elif stat.S_ISDIR(st.st_mode):

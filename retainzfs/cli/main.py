@@ -9,9 +9,10 @@ import sys
 
 import xattr
 
+from .. import hints as H
 from .common import die, find_mount_of, is_retainzfs_mount, no_superblock_message
 
-STATUS_XATTR = "user.retainz.status"
+STATUS_XATTR = H.XATTR_STATUS.decode()
 
 
 def _status_from_mount(mnt: str) -> dict:
@@ -174,7 +175,7 @@ def _fsck_findings(store) -> tuple[list[str], list[str]]:
     damaged = sorted({f for b in store.bad_zones.values() if b["valid_upto"] is not None
                       for f in b["files"]})
     if damaged:
-        repairs.append(f"mark {len(damaged)} files damaged (user.retainz.damaged): data past a "
+        repairs.append(f"mark {len(damaged)} files damaged ({H.XATTR_DAMAGED.decode()}): data past a "
                        f"zone's write pointer")
     return problems, repairs
 
@@ -243,7 +244,7 @@ def _repair(target: str) -> None:
             for path in b["files"]:
                 ino = store.resolve_path(path)
                 if ino is not None:
-                    store.setxattr(ino, b"user.retainz.damaged",
+                    store.setxattr(ino, H.XATTR_DAMAGED,
                                    f"data past the write pointer of a zone ({b['reason']})".encode())
         store.close()
     finally:

@@ -8,7 +8,7 @@ import sys
 
 from .. import _journal as J
 from ..device import DeviceError, create_image, open_device
-from ..store import FsError, Store
+from ..store import FsError, Store, meta_zones_problem
 from ..superblock import FormatError
 from .common import die, find_mount_of, parse_size
 
@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     from .._alloc import POLICIES
     if args.allocator not in POLICIES:
         die(f"unknown allocator {args.allocator!r}; one of {', '.join(POLICIES)}")
-    if args.meta_zones is not None and (args.meta_zones < 4 or args.meta_zones % 2):
-        die(f"--meta-zones {args.meta_zones}: need an even number >= 4 (metadata is written "
-            f"to mirrored zone pairs)")
+    why = meta_zones_problem(args.meta_zones) if args.meta_zones is not None else None
+    if why:
+        die(why)
     mnt = find_mount_of(args.target)
     if mnt:
         die(f"{args.target} is mounted at {mnt}; unmount it first")

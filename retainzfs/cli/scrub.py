@@ -21,10 +21,11 @@ import time
 
 import xattr
 
+from .. import hints as H
 from .common import die, find_mount_of, is_retainzfs_mount, mount_root
 
 READ = 4 << 20
-STATUS_XATTR = "user.retainz.status"
+STATUS_XATTR = H.XATTR_STATUS.decode()
 
 
 def add_scrub_args(p) -> None:

@@ -16,9 +16,10 @@ import shutil
 
 import xattr
 
+from .. import hints as H
 from .common import die
 
-PAGE_XATTR = "user.retainz.zonemap."
+PAGE_XATTR = H.XATTR_ZONEMAP.decode()
 PALETTE = ["cyan", "green", "yellow", "magenta", "blue", "bright_red", "bright_green",
            "bright_cyan", "bright_magenta", "bright_yellow", "bright_blue", "red"]
 SHADES = "·░▒▓█"

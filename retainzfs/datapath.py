@@ -1,0 +1,320 @@
+"""The data path: where bytes go in zones and how they come back.
+
+Owns placement (the allocator calls, the save-size accounting of ``declare_save``), the open-zone
+budget (``Store.open_lru``), THE write loop (``write_iolocked``: place, pad, open slot, write,
+checksum, note, journal) used by file data and GC copies alike, and verified reads (checksums,
+zones out of service, the in-flight reader count a reset waits for).
+
+Locks: ``_iolocked`` methods run with ``Store.io_lock`` held (they move write pointers) and take
+``Store.lock`` for the CPU-only bookkeeping after each device write; ``_locked`` methods run with
+``Store.lock`` held.  Reads take ``Store.lock`` only to look up extents and checksums.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+
+from . import hints as H
+from . import records as R
+from ._alloc import NoSpace
+from .csums import ZoneChecksums, crcs_of
+from .device import ZoneCond
+from .errors import FsError
+from .writebuf import Chunks
+
+log = logging.getLogger("retainzfs")
+
+
+class DataPath:
+    def __init__(self, store):
+        self.s = store
+        # per generation (stream, birth): [expected padded bytes (0 = unknown), bytes placed]
+        self.saves: dict[tuple[int, int], list[int]] = {}
+        self.save_key: dict[int, tuple[int, int]] = {}    # stream -> its current generation
+        self.save_est: dict[int, int] = {}               # stream -> previous generation's size
+
+    # ------------------------------------------------------------------ reads
+    def read(self, ino: int, off: int, size: int) -> bytes:
+        s = self.s
+        with s.lock:
+            inode = s.ns.get_locked(ino)
+            if off >= inode.size or size <= 0:
+                return b""
+            size = min(size, inode.size - off)
+            segs = inode.extents.lookup(off, size)
+            overlay = None
+            if inode.wbuf:
+                bo, bl = inode.wbuf.off, len(inode.wbuf)
+                lo, hi = max(bo, off), min(bo + bl, off + size)
+                if hi > lo:
+                    overlay = (lo - off, inode.wbuf.slice(lo, hi))
+            with s._readers_cv:
+                s._readers += 1
+        try:
+            if len(segs) == 1 and segs[0][0] == 0 and segs[0][3] == size and overlay is None:
+                return self.verified_read(segs[0][1], segs[0][2], size, ino, off)
+            out = bytearray(size)
+            for dst, zone, zoff, length in segs:
+                out[dst:dst + length] = self.verified_read(zone, zoff, length, ino, off + dst)
+        finally:
+            with s._readers_cv:
+                s._readers -= 1
+                s._readers_cv.notify_all()
+        if overlay is not None:
+            out[overlay[0]:overlay[0] + len(overlay[1])] = overlay[1]
+        return bytes(out)
+
+    def read_all_locked(self, inode) -> bytes:
+        """All of a (small) file: committed extents and buffered bytes (lock held)."""
+        assert self.s.lock._is_owned(), "read_all_locked without Store.lock"
+        out = bytearray(inode.size)
+        for dst, zone, zoff, length in inode.extents.lookup(0, inode.size):
+            out[dst:dst + length] = self.verified_read(zone, zoff, length, inode.ino, dst)
+        if inode.wbuf:
+            o = inode.wbuf.off
+            out[o:o + len(inode.wbuf)] = inode.wbuf.slice(o, inode.wbuf.end)
+        return bytes(out[:inode.size])
+
+    def verified_read(self, zone: int, zoff: int, length: int, ino: int = 0,
+                      file_off: int = 0) -> bytes:
+        """Read committed bytes and check them against their CRC32C pieces; EIO on a mismatch
+        (logged once per piece with file, offset and zone; counted in ``checksum_errors``)."""
+        s = self.s
+        with s.lock:
+            span = s.csums.span(zone, zoff, length)
+        if span is None:
+            self._csum_error(zone, zoff, ino, file_off, "no checksum covers the range")
+        if not span:
+            return self.dev_read(zone, zoff, length)
+        a = ZoneChecksums.piece_range(*span[0])[0]
+        b = ZoneChecksums.piece_range(*span[-1])[1]
+        data = self.dev_read(zone, a, b - a)
+        for run, lo, hi in span:
+            bad = ZoneChecksums.bad_pieces(run, lo, hi, data, a)
+            if bad:
+                self._csum_error(zone, bad[0], ino, file_off + max(0, bad[0] - zoff),
+                                 "checksum mismatch")
+        if a == zoff and b - a == length:
+            return data
+        return data[zoff - a:zoff - a + length]
+
+    def _csum_error(self, zone: int, zoff: int, ino: int, file_off: int, what: str) -> None:
+        s = self.s
+        with s.lock:
+            s.stats["checksum_errors"] += 1
+            key = (zone, zoff)
+            first = key not in s._bad_pieces
+            s._bad_pieces.add(key)
+            path = s.ns.path_of(ino) if ino in s.inodes else f"inode {ino}"
+        if first:
+            log.error("%s: file %s offset %d, zone %d offset %d: returning EIO", what, path,
+                      file_off, zone, zoff)
+        raise FsError(errno.EIO, f"{what} in zone {zone}")
+
+    def dev_read(self, zone: int, zoff: int, length: int) -> bytes:
+        """Read committed bytes; EIO for a range a zone failure made untrustworthy."""
+        bad = self.s.bad_zones.get(zone)
+        if bad is not None:
+            upto = bad["valid_upto"]
+            if (upto is not None and zoff + length > upto) or bad["reason"] == "offline":
+                if not bad.get("logged"):
+                    bad["logged"] = True
+                    log.error("read from zone %d refused with EIO: %s", zone, bad["reason"])
+                raise FsError(errno.EIO, f"zone {zone}: {bad['reason']}")
+        return self.s.dev.read(zone, zoff, length)
+
+    # ------------------------------------------------------------------ zones
+    def ensure_open_slot_iolocked(self, zone: int) -> None:
+        """Close least-recently-used data zones so a write to ``zone`` stays within max_open
+        (also the journal's ``ensure_open`` callback, called by its frame writes)."""
+        s = self.s
+        dev = s.dev
+        lru = s.open_lru
+        if dev.zone(zone).is_open:
+            lru.pop(zone, None)
+            lru[zone] = None
+            return
+        if dev.max_open:
+            while dev.open_count() >= dev.max_open:
+                victim = next((z for z in lru if z != zone and dev.zone(z).is_open), None)
+                if victim is None:
+                    break
+                lru.pop(victim)
+                dev.close(victim)
+        lru[zone] = None
+
+    def finish_zone_iolocked(self, z: int) -> None:
+        s = self.s
+        assert s.io_lock._is_owned(), "finish_zone_iolocked without io_lock"
+        if s.dev.zone(z).cond != ZoneCond.FULL:
+            s.dev.finish(z)
+        s.open_lru.pop(z, None)
+        with s.lock:
+            s.alloc.note_finish(z)
+            s.stats["zone_finishes"] += 1
+            s.do_locked(R.ZONE_FINISH, R.pack_zone(z))
+
+    # ------------------------------------------------------------------ placement
+    def declare_save(self, ino: int, nbytes: int) -> None:
+        """Announce that the generation of ``ino`` (a generation directory or file; its hint
+        names the generation) will hold ``nbytes`` block-padded bytes in all.  Optional: it
+        feeds the allocator's size adaptation and the common-admission rule; without it the
+        store assumes the size of the stream's previous generation.  Run-time only."""
+        s = self.s
+        with s.lock:
+            inode = s.ns.get_locked(ino)
+            h = inode.hint or s.hints.resolve_locked(inode)
+            self.save_entry_locked(h)[:] = [max(0, int(nbytes)), 0]
+
+    def save_entry_locked(self, hint: H.Hint) -> list[int]:
+        """[expected, placed] of the hint's generation (lock held); one entry per stream."""
+        assert self.s.lock._is_owned(), "save_entry_locked without Store.lock"
+        key = (hint.stream, hint.birth)
+        ent = self.saves.get(key)
+        if ent is None:
+            prev = self.save_key.get(hint.stream)
+            if prev is not None and prev in self.saves:
+                placed = self.saves.pop(prev)[1]
+                if placed:
+                    self.save_est[hint.stream] = placed
+            self.save_key[hint.stream] = key
+            ent = self.saves[key] = [self.save_est.get(hint.stream, 0), 0]
+        return ent
+
+    def place_iolocked(self, size: int, hint: H.Hint, allow_reserve: bool = False,
+                       writer=None) -> tuple[int, int]:
+        """Ask the allocator for a zone for ``size`` padded bytes of file ``writer``.
+
+        When the policy finds no room outside the GC reserve: with common admission, first fill
+        a compatible tail (``place(tails_only=True)``); then run GC and retry; when GC cannot
+        make progress, common admission borrows the reserve if the rest of the padded save
+        (``declare_save``) fits in it.  Otherwise ENOSPC (a capacity stop)."""
+        s = self.s
+        assert s.io_lock._is_owned(), "place_iolocked without io_lock"
+        gc_stuck = False
+        for attempt in range(s.dev.nr_zones + 8):
+            zone = None
+            with s.lock:
+                ent = self.save_entry_locked(hint)
+                save_size = max(ent[0], size)
+                remaining = max(ent[0] - ent[1], size)
+                args = (size, hint.reclaim, hint.birth, s.now, hint.stream, save_size)
+                try:
+                    zone, nbytes, finish = s.alloc.place(*args, allow_reserve=allow_reserve,
+                                                         writer=writer)
+                except NoSpace:
+                    pass
+                if zone is None and s.opts.common_admission:
+                    try:
+                        zone, nbytes, finish = s.alloc.place(*args, tails_only=True)
+                    except NoSpace:
+                        if gc_stuck and remaining <= s.cap:
+                            try:
+                                zone, nbytes, finish = s.alloc.place(*args, allow_reserve=True)
+                            except NoSpace:
+                                pass
+                if zone is not None:
+                    ent[1] += nbytes
+                    s._capacity_stop = False
+            if zone is not None:
+                for z in finish:
+                    self.finish_zone_iolocked(z)
+                return zone, nbytes
+            if gc_stuck or not s.reclaim.gc_once_iolocked():
+                if not gc_stuck and s.opts.common_admission:
+                    gc_stuck = True
+                    continue
+                self._stop_capacity()
+                raise FsError(errno.ENOSPC, "no zone can take the data, even after GC")
+        self._stop_capacity()
+        raise FsError(errno.ENOSPC, "GC made no progress")
+
+    def _stop_capacity(self) -> None:
+        s = self.s
+        with s.lock:
+            s.stats["enospc"] += 1
+            s._capacity_stop = True
+
+    def place_copy_iolocked(self, size: int, hint: H.Hint, victim: int) -> tuple[int, int]:
+        """A zone for ``size`` padded bytes of a GC copy out of ``victim``: the GC reserve may
+        be used, the victim never; no GC of its own, no save accounting, and a failure is the
+        GC pass's (the caller tries another victim), not a capacity stop."""
+        s = self.s
+        assert s.io_lock._is_owned(), "place_copy_iolocked without io_lock"
+        with s.lock:
+            args = (size, hint.reclaim, hint.birth, s.now, hint.stream, 0)
+            try:
+                zone, nbytes, finish = s.alloc.place(*args, allow_reserve=True, exclude=[victim])
+            except NoSpace:
+                if not s.opts.common_admission:
+                    raise FsError(errno.ENOSPC) from None
+                try:        # common admission: copies may fill compatible tails too
+                    zone, nbytes, finish = s.alloc.place(*args, exclude=[victim],
+                                                         tails_only=True)
+                except NoSpace:
+                    raise FsError(errno.ENOSPC) from None
+        if zone == victim:
+            raise FsError(errno.ENOSPC)
+        for z in finish:
+            self.finish_zone_iolocked(z)
+        return zone, nbytes
+
+    # ------------------------------------------------------------------ THE write loop
+    def write_iolocked(self, ino: int, off: int, data: Chunks, hint: H.Hint,
+                       copy_from: tuple[int, int] | None = None) -> None:
+        """Place and write ``data`` (file offset ``off`` of inode ``ino``), across zones as
+        needed: place, pad to blocks, open slot, checksum, write, note, journal.
+
+        ``copy_from=None``: file data, placed by ``place_iolocked``; each piece becomes an
+        EXTENT record (what it overwrites is dead).  ``copy_from=(victim, victim_zoff)``: a GC
+        copy of bytes now at ``victim``, placed by ``place_copy_iolocked``; each piece becomes a
+        RELOCATE record that moves the extent if it still maps those bytes (else the copy is
+        dead at once)."""
+        s = self.s
+        assert s.io_lock._is_owned(), "write_iolocked without io_lock"
+        bs = s.bs
+        dev = s.dev
+        stats = s.stats
+        reclaim = hint.reclaim
+        pos = 0
+        total = len(data)
+        while pos < total:
+            remaining = total - pos
+            padded = -(-remaining // bs) * bs
+            if copy_from is None:
+                zone, nbytes = self.place_iolocked(padded, hint, False, ino)
+            else:
+                zone, nbytes = self.place_copy_iolocked(padded, hint, copy_from[0])
+            payload = min(nbytes, remaining)
+            pad = nbytes - payload
+            chunk = data.slice(pos, pos + payload)
+            if pad:
+                chunk.append(bytes(pad))
+            self.ensure_open_slot_iolocked(zone)
+            zoff = dev.zone(zone).wp
+            crcs = crcs_of(chunk, nbytes)         # on the buffers in hand, before the write
+            dev.write(zone, zoff, chunk)
+            s._wgen += 1
+            with s.lock:
+                zg = s.zgen[zone]
+                s.do_locked(R.CSUM, R.pack_csum(zone, zg, zoff, nbytes, crcs))
+                s.alloc.note_write(zone, payload, reclaim, True)
+                if pad:
+                    s.alloc.note_write(zone, pad, reclaim, False)
+                if copy_from is None:
+                    stats["payload_bytes"] += payload
+                    stats["pad_bytes"] += pad
+                    if ino not in s.inodes:   # deleted while we wrote: the bytes are dead already
+                        s.reclaim.dead_locked([(zone, payload, reclaim)])
+                    else:
+                        s.reclaim.dead_locked(s.do_locked(R.EXTENT, R.pack_extent(
+                            ino, off + pos, zone, zg, zoff, payload, reclaim)))
+                else:
+                    victim, vzoff = copy_from
+                    stats["gc_copied_bytes"] += nbytes
+                    if s.do_locked(R.RELOCATE, R.pack_relocate(ino, off + pos, payload, victim,
+                                                               vzoff + pos, zone, zg, zoff)):
+                        s.alloc.note_dead(victim, payload, reclaim)
+                    else:
+                        s.reclaim.dead_locked([(zone, payload, reclaim)])
+            pos += payload

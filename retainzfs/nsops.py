@@ -1,0 +1,552 @@
+"""Namespace operations with their POSIX rules (names, links, rename, xattrs), and the store's
+side of reclaim hints (``.retainz`` policies in force, hint resolution, re-derivation).
+
+Every method here either takes ``Store.lock`` itself (the public ones, called by the facade) or
+needs it held (``_locked``); none does device I/O except what it delegates: a ``.retainz`` is read
+through the data path, deletions queue zones for the reclaim part, which resets them after the
+caller released the lock.  State mutations are journal records applied by ``Store.do_locked``.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import stat
+from time import time_ns as now_ns
+
+from . import hints as H
+from . import records as R
+from .errors import FsError
+from .namespace import Inode
+
+log = logging.getLogger("retainzfs")
+
+ROOT_INO = 1
+NAME_MAX = 255
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+
+
+def fmt_hint(h: float):
+    return "inf" if math.isinf(h) else h
+
+
+class NamespaceOps:
+    def __init__(self, store):
+        self.s = store
+
+    # ------------------------------------------------------------------ helpers (lock held)
+    def get_locked(self, ino: int) -> Inode:
+        inode = self.s.inodes.get(ino)
+        if inode is None:
+            raise FsError(errno.ENOENT)
+        return inode
+
+    def dir_locked(self, ino: int) -> Inode:
+        inode = self.get_locked(ino)
+        if not inode.is_dir:
+            raise FsError(errno.ENOTDIR)
+        return inode
+
+    @staticmethod
+    def check_name(name: bytes) -> None:
+        if not name or b"/" in name or name in (b".", b".."):
+            raise FsError(errno.EINVAL)
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
+
+    def save_inode_locked(self, inode: Inode) -> None:
+        assert self.s.lock._is_owned(), "save_inode_locked without Store.lock"
+        size = inode.size                  # the record carries ``durable_size`` (the size
+        self.s.do_locked(R.INODE_B, R.pack_inode(inode.to_rec(False), with_tables=False))
+        inode.size = size                  # without buffered bytes); memory keeps them
+
+    def child_locked(self, parent: int, name: bytes) -> tuple[Inode, Inode]:
+        """(directory, entry) for a name that must exist."""
+        p = self.dir_locked(parent)
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
+        ino = p.entries.get(name)
+        if ino is None:
+            raise FsError(errno.ENOENT)
+        return p, self.s.inodes[ino]
+
+    def path_of(self, ino: int) -> str:
+        inodes = self.s.inodes
+        parts = []
+        inode = inodes.get(ino)
+        while inode is not None and inode.ino != ROOT_INO:
+            parts.append(inode.name.decode("utf-8", "replace"))
+            inode = inodes.get(inode.parent)
+        return "/" + "/".join(reversed(parts))
+
+    def resolve_path(self, path: str) -> int | None:
+        """Inode number of an absolute path inside the filesystem, or None."""
+        s = self.s
+        with s.lock:
+            cur = s.inodes.get(ROOT_INO)
+            for part in filter(None, path.split("/")):
+                if cur is None or not cur.is_dir:
+                    return None
+                nxt = cur.entries.get(part.encode("utf-8", "surrogateescape"))
+                cur = s.inodes.get(nxt) if nxt is not None else None
+            return cur.ino if cur is not None else None
+
+    # ------------------------------------------------------------------ lookups
+    def getattr(self, ino: int) -> Inode:
+        with self.s.lock:
+            return self.get_locked(ino)
+
+    def lookup(self, parent: int, name: bytes) -> Inode:
+        s = self.s
+        with s.lock:
+            p = self.dir_locked(parent)
+            if name == b".":
+                return p
+            if name == b"..":
+                return s.inodes.get(p.parent or ROOT_INO, p)
+            if len(name) > NAME_MAX:
+                raise FsError(errno.ENAMETOOLONG)
+            ino = p.entries.get(name)
+            if ino is None:
+                raise FsError(errno.ENOENT)
+            return s.inodes[ino]
+
+    def readlink(self, ino: int) -> bytes:
+        with self.s.lock:
+            inode = self.get_locked(ino)
+            if not stat.S_ISLNK(inode.mode):
+                raise FsError(errno.EINVAL)
+            return inode.target
+
+    def readdir(self, ino: int, start: int) -> list[tuple[bytes, Inode, int]]:
+        """Entries with cookie > start, in cookie order: (name, inode, cookie)."""
+        s = self.s
+        with s.lock:
+            d = self.dir_locked(ino)
+            out = []
+            if start < 1:
+                out.append((b".", d, 1))
+            if start < 2:
+                out.append((b"..", s.inodes.get(d.parent or ROOT_INO, d), 2))
+            for name, cookie in d.cookies.items():
+                if cookie > start:
+                    out.append((name, s.inodes[d.entries[name]], cookie))
+            return out
+
+    # ------------------------------------------------------------------ creation
+    def new_inode_locked(self, parent: Inode, name: bytes, mode: int, uid: int, gid: int,
+                         target: bytes = b"", rdev: int = 0) -> Inode:
+        s = self.s
+        self.check_name(name)
+        if name in parent.entries:
+            raise FsError(errno.EEXIST)
+        t = now_ns()
+        ino = Inode(s.next_ino, mode, uid, gid, nlink=2 if stat.S_ISDIR(mode) else 1,
+                    atime=t, mtime=t, ctime=t, target=target, rdev=rdev, parent=parent.ino,
+                    name=name, size=len(target))
+        # directory hint xattrs are inherited by new children (runtime tags the gen dir)
+        self.save_inode_locked(ino)
+        s.do_locked(R.DIRENT_B, R.pack_dirent(parent.ino, ino.ino, t, name))
+        if stat.S_ISDIR(mode):
+            parent.nlink += 1
+            self.save_inode_locked(parent)
+        return s.inodes[ino.ino]
+
+    def create(self, parent: int, name: bytes, mode: int, uid: int = 0, gid: int = 0) -> Inode:
+        with self.s.lock:
+            p = self.dir_locked(parent)
+            return self.new_inode_locked(p, name, stat.S_IFREG | (mode & 0o7777), uid, gid)
+
+    def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int = 0,
+              gid: int = 0) -> Inode:
+        with self.s.lock:
+            p = self.dir_locked(parent)
+            return self.new_inode_locked(p, name, mode, uid, gid, rdev=rdev)
+
+    def mkdir(self, parent: int, name: bytes, mode: int, uid: int = 0, gid: int = 0) -> Inode:
+        with self.s.lock:
+            p = self.dir_locked(parent)
+            return self.new_inode_locked(p, name, stat.S_IFDIR | (mode & 0o7777), uid, gid)
+
+    def symlink(self, parent: int, name: bytes, target: bytes, uid: int = 0,
+                gid: int = 0) -> Inode:
+        with self.s.lock:
+            p = self.dir_locked(parent)
+            return self.new_inode_locked(p, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
+
+    def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
+        s = self.s
+        with s.lock:
+            inode = self.get_locked(ino)
+            if inode.is_dir:
+                raise FsError(errno.EPERM)
+            p = self.dir_locked(new_parent)
+            self.check_name(new_name)
+            if new_name in p.entries:
+                raise FsError(errno.EEXIST)
+            t = now_ns()
+            inode.nlink += 1
+            inode.ctime = t
+            self.save_inode_locked(inode)
+            s.do_locked(R.DIRENT_B, R.pack_dirent(p.ino, ino, t, new_name))
+            return inode
+
+    # ------------------------------------------------------------------ removal
+    def drop_link_locked(self, inode: Inode) -> None:
+        inode.nlink -= 1 if not inode.is_dir else inode.nlink
+        inode.ctime = now_ns()
+        if inode.nlink <= 0:
+            inode.nlink = 0
+            if inode.opens == 0:
+                self.free_inode_locked(inode)
+                return
+        self.save_inode_locked(inode)
+
+    def free_inode_locked(self, inode: Inode) -> None:
+        s = self.s
+        assert s.lock._is_owned(), "free_inode_locked without Store.lock"
+        if inode.has_buffered():
+            inode.wbuf.clear()
+        if inode.is_dir:
+            s.policies.pop(inode.ino, None)
+        s.reclaim.dead_locked(s.do_locked(R.INODE_DEL_B, R.pack_ino(inode.ino)))
+
+    def del_entry_locked(self, p: Inode, name: bytes) -> None:
+        self.s.do_locked(R.DIRENT_DEL, R.pack_json({"p": p.ino, "n": name.decode("latin-1"),
+                                                    "t": now_ns()}))
+
+    def unlink(self, parent: int, name: bytes, reset: bool = True) -> None:
+        """Remove a name; with ``reset=False`` no device I/O (the FUSE adapter calls it on the
+        event loop and runs ``reset_pending`` in a worker thread only when zones emptied)."""
+        s = self.s
+        with s.lock:
+            p, inode = self.child_locked(parent, name)
+            if inode.is_dir:
+                raise FsError(errno.EISDIR)
+            self.del_entry_locked(p, name)
+            if name == H.POLICY_NAME:
+                s.hints.load_policy_locked(p.ino)          # no file: no policy
+            self.drop_link_locked(inode)
+        if reset:
+            s.reclaim.reset_empty_zones()
+
+    def rmdir(self, parent: int, name: bytes) -> None:
+        with self.s.lock:
+            p, inode = self.child_locked(parent, name)
+            if not inode.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if inode.entries:
+                raise FsError(errno.ENOTEMPTY)
+            self.del_entry_locked(p, name)
+            p.nlink -= 1
+            self.save_inode_locked(p)
+            inode.nlink = 0
+            if inode.opens == 0 and inode.lookups == 0:
+                self.free_inode_locked(inode)
+            else:
+                self.save_inode_locked(inode)
+
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+               flags: int = 0) -> None:
+        s = self.s
+        with s.lock:
+            op, np_ = self.dir_locked(old_parent), self.dir_locked(new_parent)
+            if len(old_name) > NAME_MAX:
+                raise FsError(errno.ENAMETOOLONG)
+            self.check_name(new_name)
+            ino = op.entries.get(old_name)
+            if ino is None:
+                raise FsError(errno.ENOENT)
+            if flags & RENAME_EXCHANGE:
+                raise FsError(errno.EINVAL)
+            moving = s.inodes[ino]
+            if moving.is_dir:        # refuse moving a directory below itself
+                a = np_
+                while True:
+                    if a.ino == moving.ino:
+                        raise FsError(errno.EINVAL)
+                    if a.ino == ROOT_INO or not a.parent:
+                        break
+                    a = s.inodes[a.parent]
+            victim_ino = np_.entries.get(new_name)
+            victim = None
+            if victim_ino is not None:
+                if flags & RENAME_NOREPLACE:
+                    raise FsError(errno.EEXIST)
+                if victim_ino == ino:
+                    return
+                victim = s.inodes[victim_ino]
+                if victim.is_dir:
+                    if not moving.is_dir:
+                        raise FsError(errno.EISDIR)
+                    if victim.entries:
+                        raise FsError(errno.ENOTEMPTY)
+                elif moving.is_dir:
+                    raise FsError(errno.ENOTDIR)
+            if new_name == H.POLICY_NAME and not moving.is_dir and (
+                    op.ino != np_.ino or old_name != new_name):
+                # refused like a write of a malformed .retainz: the rename does not happen
+                try:
+                    H.parse_policy(s.hints.read_policy_file_locked(moving))
+                except H.HintError as e:
+                    log.error("rename onto %s/.retainz refused: %s", self.path_of(np_.ino), e)
+                    raise FsError(errno.EINVAL, str(e)) from None
+            s.do_locked(R.RENAME, R.pack_json({"op": op.ino, "on": old_name.decode("latin-1"),
+                                               "np": np_.ino, "nn": new_name.decode("latin-1"),
+                                               "t": now_ns()}))
+            if moving.is_dir and op.ino != np_.ino:
+                op.nlink -= 1
+                np_.nlink += 1
+                self.save_inode_locked(op)
+                self.save_inode_locked(np_)
+            self.save_inode_locked(moving)
+            if victim is not None:
+                if victim.is_dir:
+                    np_.nlink -= 1
+                    self.save_inode_locked(np_)
+                    victim.nlink = 0
+                    if victim.opens == 0 and victim.lookups == 0:
+                        self.free_inode_locked(victim)
+                else:
+                    self.drop_link_locked(victim)
+            if op.ino != np_.ino or old_name != new_name:
+                s.hints.rederive_locked(moving)
+            for d, n in ((op, old_name), (np_, new_name)):
+                if n == H.POLICY_NAME and d.ino in s.inodes:
+                    try:
+                        s.hints.load_policy_locked(d.ino)
+                    except H.HintError:
+                        pass
+        s.reclaim.reset_empty_zones()
+
+    # ------------------------------------------------------------------ attributes
+    def setattr(self, ino: int, *, mode: int | None = None, uid: int | None = None,
+                gid: int | None = None, size: int | None = None, atime: int | None = None,
+                mtime: int | None = None, ctime: int | None = None) -> Inode:
+        if size is not None:
+            self.s.files.truncate(ino, size)
+        with self.s.lock:
+            inode = self.get_locked(ino)
+            t = now_ns()
+            if mode is not None:
+                inode.mode = (inode.mode & ~0o7777) | (mode & 0o7777)
+            if uid is not None:
+                inode.uid = uid
+            if gid is not None:
+                inode.gid = gid
+            if atime is not None:
+                inode.atime = atime
+            if mtime is not None:
+                inode.mtime = mtime
+            inode.ctime = ctime if ctime is not None else t
+            self.save_inode_locked(inode)
+            return inode
+
+    def ref(self, ino: int, n: int = 1) -> None:
+        """The kernel learned about an inode (lookup/create reply)."""
+        with self.s.lock:
+            inode = self.s.inodes.get(ino)
+            if inode is not None:
+                inode.lookups += n
+
+    def forget(self, ino: int, n: int) -> None:
+        with self.s.lock:
+            inode = self.s.inodes.get(ino)
+            if inode is None:
+                return
+            inode.lookups = max(0, inode.lookups - n)
+            if inode.is_dir and inode.nlink == 0 and inode.lookups == 0 and inode.opens == 0:
+                self.free_inode_locked(inode)
+
+    # ------------------------------------------------------------------ xattrs
+    def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        with self.s.lock:
+            inode = self.get_locked(ino)
+            if name in H.VIRTUAL_XATTRS:
+                raise FsError(errno.EPERM)
+            if name in H.HINT_XATTRS:
+                try:
+                    H.validate_xattr(name, value)
+                except H.HintError as e:
+                    log.warning("setxattr %s on inode %d refused: %s", name.decode(), ino, e)
+                    raise FsError(errno.EINVAL, str(e)) from None
+            if len(name) > 255 or len(value) > 65536:
+                raise FsError(errno.ERANGE)
+            inode.set_xattr(name, bytes(value))
+            inode.ctime = now_ns()
+            self.save_inode_locked(inode)
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        s = self.s
+        with s.lock:
+            inode = self.get_locked(ino)
+            if name == H.XATTR_ZONES:
+                zones = sorted({e.zone for e in inode.extents})
+                return ",".join(map(str, zones)).encode()
+            if name == H.XATTR_HINT:
+                return s.hints.hint_doc_locked(inode)
+            if name == H.XATTR_STATUS and ino == ROOT_INO:
+                # getxattr(2) callers ask for the size, then for the value: a live document
+                # that grew in between (a counter gained a digit) failed with ERANGE.  Padded
+                # with JSON whitespace to a 1 KiB multiple, its size rarely changes.
+                v = json.dumps(s.report.status()).encode()
+                return v + b" " * (-len(v) % 1024)
+            if name.startswith(H.XATTR_ZONEMAP) and ino == ROOT_INO:
+                try:
+                    first = int(name[len(H.XATTR_ZONEMAP):])
+                except ValueError:
+                    raise FsError(errno.ENODATA) from None
+                return json.dumps(s.report.zone_map(first, H.ZONEMAP_ROWS),
+                                  separators=(",", ":")).encode()
+            try:
+                return inode.xattrs[name]
+            except KeyError:
+                raise FsError(errno.ENODATA) from None
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        with self.s.lock:
+            return list(self.get_locked(ino).xattrs)
+
+    def removexattr(self, ino: int, name: bytes) -> None:
+        with self.s.lock:
+            inode = self.get_locked(ino)
+            if name not in inode.xattrs:
+                raise FsError(errno.ENODATA)
+            inode.del_xattr(name)
+            inode.ctime = now_ns()
+            self.save_inode_locked(inode)
+
+
+class _InodeTree(H.HintResolver):
+    """:class:`hints.HintResolver` over the store's inodes (Store.lock held)."""
+
+    def __init__(self, store):
+        self.s = store
+
+    def parent(self, node):
+        if not node.parent or node.ino == ROOT_INO:
+            return None
+        return self.s.inodes.get(node.parent)
+
+    def name(self, node) -> str:
+        return node.name.decode("utf-8", "replace")
+
+    def xattrs(self, node) -> dict:
+        return node.xattrs
+
+    def policy(self, d):
+        return self.s.policies.get(d.ino)
+
+    def entry_names(self, d):
+        return (n.decode("utf-8", "replace") for n in d.entries)
+
+    def dir_id(self, d) -> int:
+        return d.ino
+
+
+class StoreHints:
+    """The ``.retainz`` policies in force (``Store.policies``/``policy_errors``) and the hints
+    of files (resolution through :class:`hints.HintResolver`, re-derivation after a rename)."""
+
+    def __init__(self, store):
+        self.s = store
+        self.resolver = _InodeTree(store)
+
+    def resolve_locked(self, inode: Inode) -> H.Hint:
+        """Hint of a file: its xattrs, an ancestor's xattrs, an ancestor's .retainz, or none."""
+        assert self.s.lock._is_owned(), "resolve_locked without Store.lock"
+        return self.resolver.resolve(inode)
+
+    def hint_doc_locked(self, inode: Inode) -> bytes:
+        """The ``user.retainz.hint`` document of a file."""
+        h = inode.hint if inode.hint is not None else (
+            self.resolve_locked(inode) if inode.is_reg else None)
+        if h is None:
+            raise FsError(errno.ENODATA)
+        doc = {"birth": h.birth, "reclaim": fmt_hint(h.reclaim), "stream": h.stream,
+               "source": h.source, "name": self.s.ns.path_of(inode.ino)}
+        p = inode.placed_hint
+        if p is not None and (p.birth, p.reclaim) != (h.birth, h.reclaim):
+            doc["placed"] = {"birth": p.birth, "reclaim": fmt_hint(p.reclaim),
+                             "source": p.source}
+        return json.dumps(doc).encode()
+
+    def load_policy_locked(self, dir_ino: int, quiet: bool = False) -> None:
+        """(Re)load the ``.retainz`` of a directory.
+
+        A valid file becomes the policy and its text is journaled on the directory; a malformed
+        or unreadable one is an error (raised unless ``quiet``) and the previous valid policy
+        stays in force — also across remounts.  Removing the file removes the policy."""
+        s = self.s
+        assert s.lock._is_owned(), "load_policy_locked without Store.lock"
+        d = s.inodes[dir_ino]
+        pino = d.entries.get(H.POLICY_NAME)
+        if pino is None:
+            s.policies.pop(dir_ino, None)
+            s.policy_errors.pop(dir_ino, None)
+            if d.policy_src:
+                d.policy_src = b""
+                s.ns.save_inode_locked(d)
+            return
+        try:
+            data = self.read_policy_file_locked(s.inodes[pino])
+            pol = H.parse_policy(data)
+        except H.HintError as e:
+            s.policy_errors[dir_ino] = str(e)
+            log.error("%s: %s", s.ns.path_of(pino), e)
+            if d.policy_src and dir_ino not in s.policies:
+                try:                          # after a remount: the last valid text
+                    s.policies[dir_ino] = H.parse_policy(d.policy_src)
+                except H.HintError:
+                    pass
+            if not quiet:
+                raise
+            return
+        s.policies[dir_ino] = pol
+        s.policy_errors.pop(dir_ino, None)
+        if d.policy_src != data:
+            d.policy_src = data
+            s.ns.save_inode_locked(d)
+
+    def read_policy_file_locked(self, inode: Inode) -> bytes:
+        if not inode.is_reg:
+            raise H.HintError(".retainz: not a regular file")
+        if inode.size > H.POLICY_MAX:
+            raise H.HintError(f".retainz: {inode.size} bytes; a policy file may hold at most "
+                              f"{H.POLICY_MAX} bytes")
+        try:
+            return self.s.data.read_all_locked(inode)
+        except OSError as e:
+            raise H.HintError(f".retainz: cannot read it: {e.strerror or e}") from None
+
+    def rederive_locked(self, moved: Inode) -> None:
+        """After a rename, hints come from the new name.
+
+        Frameworks write ``x.dirty.pt`` / ``tmp-checkpoint-N/`` / ``.metadata.tmp`` and rename:
+        data not yet placed uses the hint of the final name; data already placed under another
+        hint stays where it is and is reported (``placed`` in ``user.retainz.hint``)."""
+        s = self.s
+        todo, files = [moved], []
+        while todo:
+            i = todo.pop()
+            if i.is_reg:
+                files.append(i)
+            elif i.is_dir:
+                todo += [s.inodes[c] for c in i.entries.values() if c in s.inodes]
+        for f in files:
+            if f.hint is None or H.hint_from_xattrs(f.xattrs) is not None:
+                continue                  # nothing placed yet / an explicit tag wins
+            new = self.resolve_locked(f)
+            if (new.birth, new.reclaim, new.stream) == (f.hint.birth, f.hint.reclaim,
+                                                        f.hint.stream):
+                continue
+            if len(f.extents) or f.wbuf:
+                if f.placed_hint is None:
+                    f.placed_hint = f.hint
+                log.info("%s: hint re-derived after rename (birth %d, reclaim %s); %d bytes "
+                         "already placed with reclaim %s", s.ns.path_of(f.ino), new.birth,
+                         fmt_hint(new.reclaim), sum(e.length for e in f.extents),
+                         fmt_hint(f.placed_hint.reclaim))
+            f.hint = new
+            s.ns.save_inode_locked(f)

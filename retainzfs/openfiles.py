@@ -1,0 +1,193 @@
+"""Open files: write buffers, the in-flight background flush, the parked flush error.
+
+Owns the ``rz-flush`` worker (at most one zone write in flight per file, ``Inode.flushing``) and
+the per-inode buffer state (``wbuf``, ``inflight``, ``flush_err``, ``dirty``).  Buffered bytes go
+to zones through the data path's write loop (``flush_data``: io_lock, then Store.lock for the
+bookkeeping).  ``buffer_write`` is the one entry the event loop calls: Store.lock only, no I/O.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from time import time_ns as now_ns
+
+from . import records as R
+from .errors import FsError
+
+log = logging.getLogger("retainzfs")
+
+
+class OpenFiles:
+    def __init__(self, store):
+        self.s = store
+        # full write buffers go to zones in the background while FUSE keeps accepting writes
+        self.flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rz-flush")
+
+    def open(self, ino: int, truncate: bool = False):
+        if truncate:
+            self.truncate(ino, 0)
+        s = self.s
+        with s.lock:
+            inode = s.ns.get_locked(ino)
+            inode.opens += 1
+            return inode
+
+    def buffer_write(self, ino: int, off: int, data: bytes) -> int | None:
+        """Append to the file's write buffer if that needs no device I/O; else None.
+
+        Lets the FUSE adapter answer most writes on the event loop without a thread hop; the
+        writes that would fill the buffer go through ``write`` in a worker thread."""
+        s = self.s
+        with s.lock:
+            inode = s.ns.get_locked(ino)
+            buf = inode.wbuf
+            n = len(data)
+            if (n == 0 or inode.flush_err is not None or (buf and off != buf.end)
+                    or len(buf) - inode.inflight + n >= s.opts.flush_bytes):
+                return None
+            buf.append(off, data)
+            inode.mtime = inode.ctime = now_ns()
+            if off + n > inode.size:
+                inode.size = off + n
+            inode.dirty = inode.policy_dirty = True
+            return n
+
+    def write(self, ino: int, off: int, data: bytes) -> int:
+        n = len(data)
+        if n == 0:
+            return 0
+        s = self.s
+        while True:
+            need_flush = False
+            with s.lock:
+                inode = s.ns.get_locked(ino)
+                buf = inode.wbuf
+                need_flush = not buf.append(off, data)
+                if not need_flush:
+                    t = now_ns()
+                    inode.mtime = inode.ctime = t
+                    if off + n > inode.size:
+                        inode.size = off + n
+                    inode.dirty = inode.policy_dirty = True
+                    full = len(buf) - inode.inflight >= s.opts.flush_bytes
+            if need_flush:
+                self.flush_data(ino, final=True)
+                continue
+            if full:
+                self.flush_background(ino)
+            return n
+
+    def flush_background(self, ino: int) -> None:
+        """Queue a zone write of the full buffer; at most one in flight per file (bounded RAM)."""
+        s = self.s
+        with s.lock:
+            inode = s.inodes.get(ino)
+            if inode is None:
+                return
+            prev = inode.flushing
+        if prev is not None:
+            prev.result()                     # the previous chunk must be out first
+        self.check_flush_error(ino)
+        with s.lock:
+            inode = s.inodes.get(ino)
+            if inode is not None:
+                inode.flushing = self.flusher.submit(self._bg_flush, ino)
+
+    def _bg_flush(self, ino: int) -> None:
+        s = self.s
+        try:
+            self.flush_data(ino, final=False)
+        except OSError as e:
+            with s.lock:
+                inode = s.inodes.get(ino)
+                if inode is not None:
+                    inode.flush_err = e
+        except Exception as e:                # never lose an error silently
+            log.exception("background flush of inode %d", ino)
+            with s.lock:
+                inode = s.inodes.get(ino)
+                if inode is not None:
+                    inode.flush_err = FsError(errno.EIO, str(e))
+
+    def wait_flush(self, ino: int) -> None:
+        """Wait for the file's background flush and raise its error, if any."""
+        s = self.s
+        with s.lock:
+            inode = s.inodes.get(ino)
+            fut = inode.flushing if inode is not None else None
+        if fut is not None:
+            fut.result()
+        self.check_flush_error(ino)
+
+    def check_flush_error(self, ino: int) -> None:
+        s = self.s
+        with s.lock:
+            inode = s.inodes.get(ino)
+            err = inode.flush_err if inode is not None else None
+            if err is not None:
+                inode.flush_err = None
+        if err is not None:
+            raise FsError(err.errno or errno.EIO, str(err))
+
+    def flush_data(self, ino: int, final: bool) -> None:
+        """Move buffered bytes of a file to zones (whole blocks unless ``final``)."""
+        s = self.s
+        with s.io_lock:
+            with s.lock:
+                inode = s.inodes.get(ino)
+                if inode is None or not inode.wbuf:
+                    return
+                n = len(inode.wbuf)
+                if not final:
+                    n -= n % s.bs
+                    if n == 0:
+                        return
+                data = inode.wbuf.prefix(n)
+                off = inode.wbuf.off
+                inode.inflight = n
+                if inode.hint is None:
+                    inode.hint = s.hints.resolve_locked(inode)
+                    if inode.hint.birth > s.now:
+                        s.now = inode.hint.birth
+                hint = inode.hint
+            try:
+                s.data.write_iolocked(ino, off, data, hint)
+            except FsError:
+                with s.lock:      # drop the uncommittable bytes; committed data stay intact
+                    inode = s.inodes.get(ino)
+                    if inode is not None:
+                        inode.wbuf.clear()
+                        inode.inflight = 0
+                        inode.size = max((e.end for e in inode.extents), default=0)
+                raise
+            with s.lock:
+                inode = s.inodes.get(ino)
+                if inode is not None:
+                    inode.inflight = 0
+                    if inode.wbuf.off == off:
+                        inode.wbuf.drop(n)
+            s.maybe_flush_journal_iolocked()
+        s.reclaim.reset_empty_zones()
+
+    def truncate(self, ino: int, size: int) -> None:
+        s = self.s
+        self.wait_flush(ino)
+        self.flush_data(ino, final=True)
+        with s.io_lock:
+            with s.lock:
+                inode = s.ns.get_locked(ino)
+                if not inode.is_reg:
+                    raise FsError(errno.EISDIR if inode.is_dir else errno.EINVAL)
+                if size == inode.size:
+                    return
+                dead = s.do_locked(R.TRUNCATE, R.pack_truncate(ino, size))
+                s.reclaim.dead_locked(dead)
+                if size == 0:       # O_TRUNC rewrite: new contents, resolve the hint again
+                    inode.hint = None
+                    inode.placed_hint = None
+                inode.mtime = inode.ctime = now_ns()
+                inode.policy_dirty = True
+                inode.dirty = True             # the next close makes the truncation durable
+                s.ns.save_inode_locked(inode)
+        s.reclaim.reset_empty_zones()

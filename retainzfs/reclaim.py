@@ -1,0 +1,124 @@
+"""Reclaim: dead-byte accounting, zone resets and GC.
+
+Owns the set of zones waiting for a reset (``pending``) and THE reset sequence
+(``reset_zones_iolocked``), used both for zones a deletion emptied and for a GC victim:
+
+1. under ``Store.lock``: keep the zones with nothing live (and not failed); move each zone's
+   generation on (a ZONE_RESET record: no extent written before can map onto the zone again);
+2. journal flush with sync: the deletions/relocations and the new generations are durable
+   before any data is destroyed;
+3. wait for in-flight reads, reset the zones on the device;
+4. under ``Store.lock``: allocator summaries, counters, out-of-service marks.
+
+GC picks victims from the allocator's summaries and moves their live extents through the data
+path's write loop (``DataPath.write_iolocked`` with ``copy_from``).
+"""
+from __future__ import annotations
+
+import logging
+
+from . import hints as H
+from . import records as R
+from .errors import FsError
+from .writebuf import Chunks
+
+log = logging.getLogger("retainzfs")
+
+
+class Reclaim:
+    def __init__(self, store):
+        self.s = store
+        self.pending: set[int] = set()
+
+    def dead_locked(self, pieces) -> None:
+        """Account superseded/freed bytes; queue zones that hold no live data for reset."""
+        s = self.s
+        assert s.lock._is_owned(), "dead_locked without Store.lock"
+        alloc = s.alloc
+        for zone, nbytes, hint in pieces:
+            alloc.note_dead(zone, nbytes, hint)
+            if alloc.summary(zone)["L"] <= 0:
+                self.pending.add(zone)
+
+    def note_reset_locked(self, z: int) -> None:
+        """Zone ``z`` is about to be reset (lock held): its generation moves on, so no extent
+        written before can ever be mapped onto what the zone holds next."""
+        s = self.s
+        assert s.lock._is_owned(), "note_reset_locked without Store.lock"
+        s.zgen[z] += 1
+        s.csums.drop_zone(z)
+        s._bad_pieces = {bp for bp in s._bad_pieces if bp[0] != z}
+        s.do_locked(R.ZONE_RESET, R.pack_zone_reset(z, s.zgen[z]))
+
+    def resettable_locked(self, z: int) -> bool:
+        """A failed (READONLY/OFFLINE) zone cannot be reset; one whose write pointer was
+        behind its data can, once nothing live is left in it."""
+        bad = self.s.bad_zones.get(z)
+        return bad is None or bad["valid_upto"] is not None
+
+    def reset_empty_zones(self) -> None:
+        """Reset zones whose data are all dead — after the deletion is durable in the journal."""
+        if not self.pending:
+            return
+        with self.s.io_lock:
+            self.reset_zones_iolocked(None)
+
+    def reset_zones_iolocked(self, zones: list[int] | None) -> list[int]:
+        """THE reset sequence (see the module docstring) for ``zones`` (None: the pending
+        ones); returns the zones reset (those still holding live data are skipped)."""
+        s = self.s
+        assert s.io_lock._is_owned(), "reset_zones_iolocked without io_lock"
+        with s.lock:
+            if zones is None:
+                zones, self.pending = self.pending, set()
+            alloc = s.alloc
+            zones = [z for z in zones if alloc.summary(z)["L"] <= 0
+                     and alloc.summary(z)["W"] > 0 and self.resettable_locked(z)]
+            for z in zones:
+                self.note_reset_locked(z)
+        if not zones:
+            return zones
+        s.journal_flush_iolocked(sync=True)     # deletions + new generations durable first
+        with s._readers_cv:
+            while s._readers:
+                s._readers_cv.wait()
+            for z in zones:
+                s.dev.reset(z)
+                s.open_lru.pop(z, None)
+        with s.lock:
+            for z in zones:
+                s.alloc.note_reset(z)
+                s.bad_zones.pop(z, None)
+                s.stats["zone_resets"] += 1
+            s._capacity_stop = False
+        return zones
+
+    def gc_once_iolocked(self) -> bool:
+        """Copy the live data out of the best victim zone and reset it."""
+        s = self.s
+        assert s.io_lock._is_owned(), "gc_once_iolocked without io_lock"
+        with s.lock:
+            victims = [z for z in s.alloc.victims(8) if s.alloc.summary(z)["L"] < s.cap
+                       and z not in s.bad_zones]
+        for victim in victims:
+            with s.lock:
+                moves = [(i.ino, e.off, e.length, e.zoff, e.hint, i.hint or H.UNHINTED)
+                         for i in s.inodes.values() for e in i.extents.in_zone(victim)]
+                live = sum(m[2] for m in moves)
+                if live >= s.cap:
+                    continue
+                s.stats["gc_runs"] += 1
+            ok = True
+            for ino, off, length, zoff, hint, ih in moves:
+                try:
+                    # verified before it is written elsewhere: GC never launders bad bytes
+                    data = s.data.verified_read(victim, zoff, length, ino, off)
+                    s.data.write_iolocked(ino, off, Chunks([data]),
+                                          H.Hint(ih.birth, hint, ih.stream, "gc"),
+                                          copy_from=(victim, zoff))
+                except FsError:
+                    ok = False
+                    break
+            if ok and self.reset_zones_iolocked([victim]):
+                return True
+        return False

@@ -1,0 +1,145 @@
+"""Observability: statfs, the ``user.retainz.status`` document, the zone map, commit latencies.
+
+Reads only (under ``Store.lock``); the counters themselves (``Store.stats``) are bumped by the
+part that does the work.  Names of the status fields are part of the interface (DESIGN §7).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+
+
+class LatencyHistogram:
+    """Cumulative commit latencies for the Prometheus histogram (buckets in seconds)."""
+    BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+               10.0)
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(self.BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        i = bisect.bisect_left(self.BUCKETS, seconds)
+        self.counts[i] += 1
+        self.sum += seconds
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, acc = [], 0
+        for b, c in zip(self.BUCKETS, self.counts):
+            acc += c
+            out.append((repr(b), acc))
+        out.append(("+Inf", acc + self.counts[-1]))
+        return out
+
+
+class StoreStats:
+    def __init__(self, store):
+        self.s = store
+        self.commit_ms: list[float] = []
+        self.commit_hist = LatencyHistogram()
+
+    def observe_commit(self, seconds: float) -> None:
+        self.commit_ms.append(seconds * 1000.0)
+        self.commit_hist.observe(seconds)
+        if len(self.commit_ms) > 100000:
+            del self.commit_ms[:50000]
+
+    def statfs(self) -> dict:
+        s = self.s
+        with s.lock:
+            free = 0
+            data_zones = s.dev.nr_zones - s.meta_zones
+            for z in range(s.meta_zones, s.dev.nr_zones):
+                sm = s.alloc.summary(z)
+                if sm["cond"] == "empty":
+                    free += s.cap
+                elif sm["cond"] == "active":
+                    free += s.cap - sm["W"]
+            free = max(0, free - s.opts.gc_reserve * s.cap)
+            return {"bsize": s.bs, "blocks": data_zones * s.cap // s.bs,
+                    "bfree": free // s.bs, "files": len(s.inodes),
+                    "ffree": max(0, (1 << 32) - s.next_ino)}
+
+    def status(self) -> dict:
+        s = self.s
+        path_of = s.ns.path_of
+        with s.lock:
+            cap = s.cap
+            conds: dict[str, int] = {}
+            live = invalid = tail = free = 0
+            for z in range(s.dev.nr_zones):
+                c = s.dev.zone(z).cond.name.lower()
+                conds[c] = conds.get(c, 0) + 1
+            for z in range(s.meta_zones, s.dev.nr_zones):
+                sm = s.alloc.summary(z)
+                if sm["cond"] == "empty":
+                    free += cap
+                    continue
+                live += sm["L"]
+                invalid += sm["W"] - sm["L"]
+                tail += cap - sm["W"]
+                if sm["cond"] == "active":
+                    free += cap - sm["W"]
+            st = s.stats
+            logical = st["payload_bytes"]
+            cm = sorted(self.commit_ms)
+            p99 = cm[min(len(cm) - 1, int(math.ceil(0.99 * len(cm))) - 1)] if cm else 0.0
+            a = s.alloc.stats()
+            return {
+                "allocator": s.opts.allocator,
+                "uuid": s.sb.uuid,
+                "zone_size": s.dev.zone_size, "zone_capacity": cap,
+                "nr_zones": s.dev.nr_zones, "meta_zones": s.meta_zones,
+                "max_open": s.dev.max_open, "max_active": s.dev.max_active,
+                "zones": conds,
+                "empty_data_zones": s.alloc.empty_zones(),
+                "live_bytes": live, "invalid_bytes": invalid, "tail_bytes": tail,
+                "free_bytes": free,
+                "reserved_overhead_zones": (invalid + tail) / cap,
+                "invalid_zones": invalid / cap, "tail_zones": tail / cap,
+                "zone_resets": st["zone_resets"], "zone_finishes": st["zone_finishes"],
+                "host_wa": ((logical + st["pad_bytes"] + st["gc_copied_bytes"]) / logical)
+                if logical else 1.0,
+                "logical_bytes": logical, "pad_bytes": st["pad_bytes"],
+                "gc_copied_bytes": st["gc_copied_bytes"],
+                "journal_bytes": s.journal.bytes_written,
+                "journal_rolls": s.journal.rolls,
+                "commits": st["commits"], "p99_commit_ms": round(p99, 3),
+                "mean_alloc_us": (a["ns"] / a["places"] / 1000.0) if a.get("places") else 0.0,
+                "capacity_stop": s._capacity_stop, "enospc": st["enospc"],
+                "bad_zones": {str(z): {"reason": b["reason"], "files": b["files"]}
+                              for z, b in sorted(s.bad_zones.items())},
+                "files": sum(1 for i in s.inodes.values() if i.is_reg),
+                "policy_errors": {**{path_of(k): p.slow[0] for k, p in s.policies.items()
+                                     if p.slow},
+                                  **{path_of(k): v for k, v in s.policy_errors.items()}},
+                "journal_truncated": s.journal_truncated,
+                "checksum_errors": st["checksum_errors"],
+                "stale_extents": st["stale_extents"],
+                "metadata_problems": list(s.meta_problems),
+                "metadata_corrupt": s.meta_corrupt,
+                "metadata_partial": s.recovered_partial,
+                "format_version": s.sb.version,
+                "tuning": dict(s.tuning),
+            }
+
+    def zone_map(self, first: int = 0, count: int | None = None) -> dict:
+        """Compact per-zone rows for ``retainzfs status --zones``: [condition, written, live,
+        reclaim epoch (-1: anchor, None: nothing written), kind] — kind 'm' metadata, 'b' out of
+        service, 'd' data."""
+        s = self.s
+        with s.lock:
+            n = s.dev.nr_zones
+            last = n if count is None else min(n, first + count)
+            rows = []
+            for z in range(max(0, first), last):
+                zi = s.dev.zone(z)
+                if z < s.meta_zones:
+                    rows.append([zi.cond.name.lower(), zi.wp, zi.wp, None, "m"])
+                    continue
+                sm = s.alloc.summary(z)
+                r = s.alloc.zone_reclaim_epoch(z) if sm["W"] else None
+                rows.append([zi.cond.name.lower(), sm["W"], sm["L"],
+                             -1 if r is not None and math.isinf(r) else r,
+                             "b" if z in s.bad_zones else "d"])
+            return {"first": first, "nr_zones": n, "capacity": s.cap, "rows": rows}
