@@ -589,13 +589,36 @@ class Journal:
         return ("roll", bodies, raw)
 
     def _image_bodies(self):
+        """Frame bodies of a whole snapshot: SNAP_BEGIN, chunks, SNAP_END, small records
+        packed together (SNAP_BEGIN with the first chunk, SNAP_END with the last).
+        ``snapshot_fn`` may return the blob or its compressed pieces; pieces are cut into
+        chunks as they are consumed, so a roll holds one copy of the snapshot, not three."""
         snap = self.snapshot_fn()
-        out = [encode_record(R.SNAP_BEGIN, R.pack_json({"length": len(snap)}))]
-        for i in range(0, len(snap), self.chunk):
-            out.append(encode_record(R.SNAP_CHUNK, snap[i:i + self.chunk]))
-        out.append(encode_record(R.SNAP_END, R.pack_json({"length": len(snap)})))
-        # pack small records together: SNAP_BEGIN with the first chunk, SNAP_END with the last
-        return self._split(b"".join(out))
+        parts = snap if isinstance(snap, list) else [snap]
+        total = sum(len(p) for p in parts)
+        parts.reverse()
+        bodies = []
+        cur = bytearray(encode_record(R.SNAP_BEGIN, R.pack_json({"length": total})))
+        body_max = self.body_max
+
+        def add(rec):
+            nonlocal cur
+            if len(cur) + len(rec) > body_max and cur:
+                bodies.append(bytes(cur))
+                cur = bytearray()
+            cur += rec
+
+        pend = bytearray()
+        while parts:
+            pend += parts.pop()
+            while len(pend) >= self.chunk:
+                add(encode_record(R.SNAP_CHUNK, pend[:self.chunk]))
+                del pend[:self.chunk]
+        if pend:
+            add(encode_record(R.SNAP_CHUNK, pend))
+        add(encode_record(R.SNAP_END, R.pack_json({"length": total})))
+        bodies.append(bytes(cur))
+        return bodies
 
     def _write_frame(self, body):
         frame = encode_frame(self.seq, self.fsid, body, self.bs)

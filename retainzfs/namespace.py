@@ -740,9 +740,14 @@ class Inode:
 
 
 # ------------------------------------------------------------------ snapshots
-def encode_snapshot(inodes: dict, head: R.SnapshotHeader) -> bytes:
+def encode_snapshot(inodes, head: R.SnapshotHeader) -> bytes:
     """The snapshot blob of a namespace (``records.encode_snapshot``), streamed inode by inode."""
     return R.encode_snapshot(head, len(inodes), (i.to_rec() for i in inodes.values()))
+
+
+def encode_snapshot_parts(inodes, head: R.SnapshotHeader) -> list[bytes]:
+    """The same as compressed pieces in order (what a journal roll writes)."""
+    return R.encode_snapshot_parts(head, len(inodes), (i.to_rec() for i in inodes.values()))
 
 
 def load_snapshot(blob, partial: bool = False) -> tuple[R.SnapshotHeader, InodeTable]:
@@ -760,7 +765,7 @@ def load_snapshot(blob, partial: bool = False) -> tuple[R.SnapshotHeader, InodeT
         return _load_json_snapshot(b"".join(blob) if isinstance(blob, list) else blob)
     head, count, it = R.decode_snapshot(blob, fast=True)
     t = InodeTable()
-    pend = []                     # directories holding (name, ino) placeholders
+    pend = []                     # (partial) directories whose entries may name lost inodes
     bits, mask = t.bits, t.mask
     pages = t.pages
     new_row = t._new_row
@@ -783,15 +788,9 @@ def load_snapshot(blob, partial: bool = False) -> tuple[R.SnapshotHeader, InodeT
                 par = a[o + C_PARENT] = f[10]
                 if f[2] or f[3]:
                     a[o + C_UG] = _ug_id(f[2], f[3])
-                pp = pages.get(par >> bits)
-                px = pp.x.get(par & mask) if pp is not None else None
-                if px is not None and px.entries:
-                    pe = px.entries
-                    ph = pe.get(name)
-                    if type(ph) is tuple and ph[1] == ino:
-                        name = ph[0]
-                        pe[name] = ph[1]
-                p.names[row] = name
+                have = p.names[row]           # set by the parent's entry, when decoded first
+                if have != name:
+                    p.names[row] = name
                 if stat.S_ISDIR(f[1]) or f[9]:
                     v = Inode._view(ino, t, p, row)
                     if stat.S_ISDIR(f[1]):
@@ -815,17 +814,8 @@ def load_snapshot(blob, partial: bool = False) -> tuple[R.SnapshotHeader, InodeT
             par = a[o + C_PARENT] = f[10]
             if f[2] or f[3]:
                 a[o + C_UG] = _ug_id(f[2], f[3])
-            name = r.name
-            # the entry naming it in an already decoded parent: share its name object
-            pp = pages.get(par >> bits)
-            px = pp.x.get(par & mask) if pp is not None else None
-            pe = px.entries if px is not None else None
-            if pe:
-                ph = pe.get(name)
-                if type(ph) is tuple and ph[1] == ino:
-                    name = ph[0]
-                    pe[name] = ph[1]
-            p.names[row] = name
+            if p.names[row] != r.name:        # (kept: the parent's entry's name object)
+                p.names[row] = r.name
             if r.hint is not None:
                 p.hints[row] = intern_hint(r.hint)
             isdir = stat.S_ISDIR(f[1])
@@ -844,26 +834,33 @@ def load_snapshot(blob, partial: bool = False) -> tuple[R.SnapshotHeader, InodeT
                     raise ValueError(f"snapshot: inode {ino} has entries but is not a directory")
                 e = p.x[row].entries
                 for nm, i in r.dirents:
-                    cp = pages.get(i >> bits)
+                    # one bytes object per name: the child's row takes the entry's name (a
+                    # child decoded later keeps it when its own name is equal); a child
+                    # decoded first lends its own
+                    k = i >> bits
+                    cp = pages.get(k)
+                    if cp is None:
+                        cp = pages[k] = _Page(bits)
                     cr = i & mask
-                    if cp is not None and cp.a[cr * NCOL] and cp.a[cr * NCOL + C_PARENT] == ino \
-                            and cp.names[cr] == nm:
-                        e[cp.names[cr]] = i          # child decoded first: its name object
-                    else:
-                        e[nm] = (nm, i)
-                pend.append(e)
+                    have = cp.names[cr]
+                    if have == nm:
+                        nm = have
+                    elif not cp.a[cr * NCOL]:
+                        cp.names[cr] = nm
+                    e[nm] = i
+                if partial:
+                    pend.append(e)
     except (ValueError, zlib.error):
         if not partial:
             raise
     if len(t) != count and not partial:
         raise ValueError(f"snapshot: {len(t)} inodes for a count of {count}")
-    for e in pend:
-        for nm, v in list(e.items()):
-            if type(v) is tuple:
-                if partial and v[1] not in t:
-                    del e[nm]                 # its inode was in the lost part
-                else:
-                    e[nm] = v[1]
+    for e in pend:                        # (partial only)
+        for nm, i in list(e.items()):
+            if i not in t:
+                del e[nm]                     # its inode was in the lost part
+    for k in [k for k, p in pages.items() if not p.count]:
+        del pages[k]                          # pages only entries of lost inodes named
     return head, t
 
 

@@ -361,6 +361,12 @@ class SnapshotHeader:
 def encode_snapshot(head: SnapshotHeader, count: int, entries) -> bytes:
     """A snapshot blob: ``entries`` yields ``count`` InodeRec; encoded and compressed as they
     come, so neither a list of every entry nor the uncompressed image is ever built."""
+    return b"".join(encode_snapshot_parts(head, count, entries))
+
+
+def encode_snapshot_parts(head: SnapshotHeader, count: int, entries) -> list[bytes]:
+    """``encode_snapshot`` as the list of its compressed pieces (a roll cuts them into
+    chunks without ever joining them: one copy of a big snapshot in memory, not three)."""
     co = zlib.compressobj(1)
     out = []
     buf = [SNAP_MAGIC, _SNAPHDR.pack(head.next_ino, head.now), _U32.pack(len(head.zgen))]
@@ -390,7 +396,7 @@ def encode_snapshot(head: SnapshotHeader, count: int, entries) -> bytes:
         raise ValueError(f"snapshot: {n} inode entries for a count of {count}")
     out.append(co.compress(b"".join(buf)))
     out.append(co.flush())
-    return b"".join(out)
+    return out
 
 
 class _Stream:

@@ -1,7 +1,9 @@
-"""Read-only recovery of a namespace whose snapshot lost frames in both copies.
+"""Mount-time recovery (``MountRecovery``), and read-only recovery of a namespace whose
+snapshot lost frames in both copies (``PartialReplay``).
 
-Why its own module: this is the one place the store serves a namespace it knows to be
-incomplete, so the rule of what may be served is written once, here.  The snapshot is one
+Why its own module: what a mount trusts after a crash or damage is decided here, once; and
+this is the one place the store serves a namespace it knows to be incomplete, so the rule of
+what may be served is written here too.  The snapshot is one
 zlib stream: its intact prefix decodes, nothing after the gap does.  What is provable:
 
 * every inode decoded from the prefix (its record is whole: attributes, extents, entries);
@@ -18,10 +20,22 @@ read is either the file's bytes or EIO.  Nothing here writes: the store is read-
 """
 from __future__ import annotations
 
+import logging
+import math
 import stat
+from time import time_ns as now_ns
 
+from . import _journal as J
+from . import hints as H
+from . import namespace as NS
 from . import records as R
+from ._alloc import Allocator
+from .device import ZoneCond
 from .namespace import Inode
+from .nsops import ROOT_INO
+
+log = logging.getLogger("retainzfs")
+INF = math.inf
 
 LOST_FOUND = b"lost+found"
 
@@ -119,3 +133,173 @@ class PartialReplay:
             g.link(name, o.ino)
             o.parent, o.name = g.ino, name
         return [o.ino for o in orphans]
+
+
+class MountRecovery:
+    """Mount-time recovery of a ``Store``: the snapshot, the records after it (through the
+    same ``apply`` as run time), summaries rebuilt from the extents and the write pointers,
+    zones a failure took out of service, damaged zone-table entries, orphans, and the roll
+    that restores two good metadata copies.  Runs once, single-threaded, before the store
+    serves anything (so it takes no locks of its own beyond what the calls it makes take)."""
+
+    def __init__(self, store):
+        self.s = store
+
+    def load(self, info) -> None:
+        s = self.s
+        partial = getattr(info, "snapshot_partial", False)
+        self.load_snapshot(info.snapshot, partial)
+        info.snapshot = None                 # (decoded: its memory goes before the replay)
+        if partial:
+            # read-only only (the constructor refused read-write): serve what is provable
+            pr = PartialReplay(s.inodes, s.next_ino)
+            for rtype, payload in info.records.consume():
+                if pr.provable(rtype, payload):
+                    s._apply(rtype, payload)
+                    s.replayed_records += 1
+            adopted = pr.adopt_orphans(ROOT_INO, now_ns())
+            s.next_ino = max(s.next_ino, max(s.inodes) + 1)
+            s.recovered_partial = {"records_skipped": pr.skipped, "adopted": len(adopted)}
+            log.error("metadata snapshot damaged in both copies: serving %d inodes read-only "
+                      "(%d records of lost inodes skipped, %d files under /lost+found)",
+                      len(s.inodes), pr.skipped, len(adopted))
+        else:
+            for rtype, payload in info.records.consume():
+                s._apply(rtype, payload)
+                s.replayed_records += 1
+        # A file's size is journaled at close/fsync, its EXTENT records whenever data reach a
+        # zone (the periodic flush makes them durable): after a crash a file may have committed
+        # extents past the size last journaled.  Those bytes were written by the application
+        # (and are checksummed), so the size covers them — never live bytes nobody can read.
+        now = s.now
+        live: dict[int, list] = {}
+        for ino, m in s.inodes.extent_maps():    # (files without extents: no view)
+            if m:
+                end = m.exts[-1].end
+                if end > ino.size:
+                    ino.size = end
+                for e in m.exts:
+                    z = live.get(e.zone)
+                    if z is None:
+                        live[e.zone] = [e]
+                    else:
+                        z.append(e)
+        for h in s.inodes.hints():
+            if h.birth > now:
+                now = h.birth
+        s.now = now
+        # allocator summaries from the extent map and the device's write pointers; the
+        # metadata pair holds two active zones
+        data_active = s.dev.max_active - 2 if s.dev.max_active else 0
+        s.alloc = Allocator(s.dev.nr_zones, s.cap, s.meta_zones, s.opts.allocator,
+                               max_active=data_active, lam=s.opts.lam,
+                               hint_grid=s.opts.hint_grid, gc_reserve=s.opts.gc_reserve,
+                               fullscan=s.opts.fullscan, block_size=s.bs)
+        repaired = []
+        damaged = dict(getattr(s.dev, "damaged", {}))
+        for z, why in sorted(damaged.items()):
+            # (the device reads such a zone as FULL: its bytes stay readable, checked by the
+            # metadata mirror or the data checksums; a read-write mount rewrites the entry)
+            s.meta_problems.append(f"{why}; read as a full zone" + (
+                " (metadata: its mirror is compared)" if z < s.meta_zones else
+                " (data: verified by checksum)"))
+            log.error("device: %s; the zone is read as full", why)
+        for z in range(s.meta_zones, s.dev.nr_zones):
+            zone = s.dev.zone(z)
+            exts = live.get(z, [])
+            if zone.cond in (ZoneCond.READONLY, ZoneCond.OFFLINE):
+                # A failed zone costs only the files in it: never written, reset or GC'd; reads
+                # of an OFFLINE zone fail with EIO in the device, READONLY data stay readable.
+                self.mark_bad(z, zone.cond.name.lower(), exts)
+                continue
+            if not exts:
+                if (zone.wp or zone.cond != ZoneCond.EMPTY) and s.opts.readonly:
+                    s.alloc.note_write(z, zone.capacity if zone.cond == ZoneCond.FULL
+                                          else zone.wp, INF, False)
+                elif zone.wp or zone.cond != ZoneCond.EMPTY:
+                    s._note_reset(z)      # nothing live: garbage of an interrupted write
+                    s.dev.reset(z)
+                    repaired.append(z)
+                continue
+            if zone.cond != ZoneCond.FULL and any(e.zoff + e.length > zone.wp for e in exts):
+                # The zone table says fewer bytes were written than the journal committed (a
+                # damaged table or a lost device cache): bytes past wp are not the file's data.
+                # Keep the zone out of placement, never write into it, fail reads past wp.
+                self.mark_bad(z, f"write pointer {zone.wp} behind committed data", exts,
+                               valid_upto=zone.wp)
+                continue
+            lsum = 0
+            for e in exts:
+                s.alloc.note_write(z, e.length, e.hint, True)
+                lsum += e.length
+            written = zone.capacity if zone.cond == ZoneCond.FULL else zone.wp
+            if written > lsum:
+                s.alloc.note_write(z, written - lsum, INF, False)
+            if zone.cond == ZoneCond.FULL:
+                s.alloc.note_finish(z)
+            elif zone.cond in (ZoneCond.IMP_OPEN, ZoneCond.EXP_OPEN) and not s.opts.readonly:
+                s.dev.close(z)            # start with every data zone closed
+        if repaired:
+            log.info("recovery: reset %d zones with no live data", len(repaired))
+        if s.opts.readonly:
+            return
+        # orphans: unlinked files that were open when the daemon died
+        for ino in s.inodes.unlinked():
+            s._free_inode(ino)
+        for d in list(s.inodes.with_extra()):
+            if d.is_dir and (H.POLICY_NAME in d.entries or d.policy_src):
+                s._load_policy(d.ino, quiet=True)
+        if info.uneven or s.journal_truncated or s.meta_problems:
+            # a torn flush, one damaged copy, or copies of unequal length: write a fresh
+            # snapshot into a free pair so every acknowledged record has two good copies again
+            with s.io_lock:
+                s.journal.roll()
+        elif repaired:
+            with s.io_lock:
+                s._journal_flush(sync=True)
+        for z in damaged:
+            # the roll reset the old pairs (which rewrote their entries); a damaged zone of
+            # a free pair holds nothing live: reset it; a data zone keeps its data as FULL
+            if z in s.dev.damaged:
+                if z < s.meta_zones and z // 2 not in s.journal.live:
+                    s.dev.reset(z)
+                else:
+                    s.dev.repair_entry(z)
+        if damaged:
+            s.dev.flush()
+        s._reset_empty_zones()
+
+    def mark_bad(self, z: int, why: str, exts: list, valid_upto: int | None = None) -> None:
+        """Take zone ``z`` out of service at mount (see ``bad_zones``); its files stay listed.
+
+        The allocator sees the zone as full of live data (it is never chosen, never a GC
+        victim); reads of bytes past ``valid_upto`` fail with EIO instead of returning what the
+        device holds there."""
+        s = self.s
+        lsum = 0
+        for e in exts:
+            s.alloc.note_write(z, e.length, e.hint, True)
+            lsum += e.length
+        if s.cap > lsum:
+            s.alloc.note_write(z, s.cap - lsum, INF, False)
+        s.alloc.note_finish(z)
+        files = sorted({s.path_of(ino.ino) for ino in s.inodes.values()
+                        for e in ino.extents.in_zone(z)}) if exts else []
+        s.bad_zones[z] = {"reason": why, "valid_upto": valid_upto, "files": files}
+        log.error("zone %d out of service (%s); %d files have data there%s", z, why, len(files),
+                  (": " + ", ".join(files[:5]) + (" ..." if len(files) > 5 else "")) if files else "")
+
+    def load_snapshot(self, snap, partial: bool = False) -> None:
+        s = self.s
+        try:
+            head, inodes = NS.load_snapshot(snap, partial)
+        except (ValueError, KeyError, TypeError) as e:
+            # the frames passed their CRCs, so this is a bug or a forged image: never guess
+            raise J.JournalError(f"metadata snapshot does not decode: {e}") from None
+        s.inodes = inodes
+        s.next_ino = head.next_ino
+        s.now = head.now
+        for z, g in head.zgen.items():
+            s.zgen[z] = g
+        s.csums.load(head.csums)
+

@@ -42,7 +42,7 @@ from . import _journal as J
 from . import hints as H
 from . import records as R
 from .apply import RecordApplier
-from ._alloc import Allocator
+from .recovery import MountRecovery
 from .csums import ZoneChecksums
 from .datapath import DataPath
 from .device import ZoneCond, ZonedDevice
@@ -201,7 +201,7 @@ class Store:
         gc_was = gc.isenabled()
         gc.disable()
         try:
-            self._load(info)
+            MountRecovery(self).load(info)
         finally:
             if gc_was:
                 gc.enable()
@@ -209,169 +209,12 @@ class Store:
             if self.dev.zone(z).is_open:
                 self.open_lru[z] = None
 
-    # ------------------------------------------------------------------ recovery
-    def _load(self, info) -> None:
-        partial = getattr(info, "snapshot_partial", False)
-        self._load_snapshot(info.snapshot, partial)
-        info.snapshot = None                 # (decoded: its memory goes before the replay)
-        if partial:
-            # read-only only (the constructor refused read-write): serve what is provable
-            from .recovery import PartialReplay
-            pr = PartialReplay(self.inodes, self.next_ino)
-            for rtype, payload in info.records.consume():
-                if pr.provable(rtype, payload):
-                    self._apply(rtype, payload)
-                    self.replayed_records += 1
-            adopted = pr.adopt_orphans(ROOT_INO, now_ns())
-            self.next_ino = max(self.next_ino, max(self.inodes) + 1)
-            self.recovered_partial = {"records_skipped": pr.skipped, "adopted": len(adopted)}
-            log.error("metadata snapshot damaged in both copies: serving %d inodes read-only "
-                      "(%d records of lost inodes skipped, %d files under /lost+found)",
-                      len(self.inodes), pr.skipped, len(adopted))
-        else:
-            for rtype, payload in info.records.consume():
-                self._apply(rtype, payload)
-                self.replayed_records += 1
-        # A file's size is journaled at close/fsync, its EXTENT records whenever data reach a
-        # zone (the periodic flush makes them durable): after a crash a file may have committed
-        # extents past the size last journaled.  Those bytes were written by the application
-        # (and are checksummed), so the size covers them — never live bytes nobody can read.
-        now = self.now
-        live: dict[int, list] = {}
-        for ino, m in self.inodes.extent_maps():    # (files without extents: no view)
-            if m:
-                end = m.exts[-1].end
-                if end > ino.size:
-                    ino.size = end
-                for e in m.exts:
-                    z = live.get(e.zone)
-                    if z is None:
-                        live[e.zone] = [e]
-                    else:
-                        z.append(e)
-        for h in self.inodes.hints():
-            if h.birth > now:
-                now = h.birth
-        self.now = now
-        # allocator summaries from the extent map and the device's write pointers; the
-        # metadata pair holds two active zones
-        data_active = self.dev.max_active - 2 if self.dev.max_active else 0
-        self.alloc = Allocator(self.dev.nr_zones, self.cap, self.meta_zones, self.opts.allocator,
-                               max_active=data_active, lam=self.opts.lam,
-                               hint_grid=self.opts.hint_grid, gc_reserve=self.opts.gc_reserve,
-                               fullscan=self.opts.fullscan, block_size=self.bs)
-        repaired = []
-        damaged = dict(getattr(self.dev, "damaged", {}))
-        for z, why in sorted(damaged.items()):
-            # (the device reads such a zone as FULL: its bytes stay readable, checked by the
-            # metadata mirror or the data checksums; a read-write mount rewrites the entry)
-            self.meta_problems.append(f"{why}; read as a full zone" + (
-                " (metadata: its mirror is compared)" if z < self.meta_zones else
-                " (data: verified by checksum)"))
-            log.error("device: %s; the zone is read as full", why)
-        for z in range(self.meta_zones, self.dev.nr_zones):
-            zone = self.dev.zone(z)
-            exts = live.get(z, [])
-            if zone.cond in (ZoneCond.READONLY, ZoneCond.OFFLINE):
-                # A failed zone costs only the files in it: never written, reset or GC'd; reads
-                # of an OFFLINE zone fail with EIO in the device, READONLY data stay readable.
-                self._mark_bad(z, zone.cond.name.lower(), exts)
-                continue
-            if not exts:
-                if (zone.wp or zone.cond != ZoneCond.EMPTY) and self.opts.readonly:
-                    self.alloc.note_write(z, zone.capacity if zone.cond == ZoneCond.FULL
-                                          else zone.wp, INF, False)
-                elif zone.wp or zone.cond != ZoneCond.EMPTY:
-                    self._note_reset(z)      # nothing live: garbage of an interrupted write
-                    self.dev.reset(z)
-                    repaired.append(z)
-                continue
-            if zone.cond != ZoneCond.FULL and any(e.zoff + e.length > zone.wp for e in exts):
-                # The zone table says fewer bytes were written than the journal committed (a
-                # damaged table or a lost device cache): bytes past wp are not the file's data.
-                # Keep the zone out of placement, never write into it, fail reads past wp.
-                self._mark_bad(z, f"write pointer {zone.wp} behind committed data", exts,
-                               valid_upto=zone.wp)
-                continue
-            lsum = 0
-            for e in exts:
-                self.alloc.note_write(z, e.length, e.hint, True)
-                lsum += e.length
-            written = zone.capacity if zone.cond == ZoneCond.FULL else zone.wp
-            if written > lsum:
-                self.alloc.note_write(z, written - lsum, INF, False)
-            if zone.cond == ZoneCond.FULL:
-                self.alloc.note_finish(z)
-            elif zone.cond in (ZoneCond.IMP_OPEN, ZoneCond.EXP_OPEN) and not self.opts.readonly:
-                self.dev.close(z)            # start with every data zone closed
-        if repaired:
-            log.info("recovery: reset %d zones with no live data", len(repaired))
-        if self.opts.readonly:
-            return
-        # orphans: unlinked files that were open when the daemon died
-        for ino in self.inodes.unlinked():
-            self._free_inode(ino)
-        for d in list(self.inodes.with_extra()):
-            if d.is_dir and (H.POLICY_NAME in d.entries or d.policy_src):
-                self._load_policy(d.ino, quiet=True)
-        if info.uneven or self.journal_truncated or self.meta_problems:
-            # a torn flush, one damaged copy, or copies of unequal length: write a fresh
-            # snapshot into a free pair so every acknowledged record has two good copies again
-            with self.io_lock:
-                self.journal.roll()
-        elif repaired:
-            with self.io_lock:
-                self._journal_flush(sync=True)
-        for z in damaged:
-            # the roll reset the old pairs (which rewrote their entries); a damaged zone of
-            # a free pair holds nothing live: reset it; a data zone keeps its data as FULL
-            if z in self.dev.damaged:
-                if z < self.meta_zones and z // 2 not in self.journal.live:
-                    self.dev.reset(z)
-                else:
-                    self.dev.repair_entry(z)
-        if damaged:
-            self.dev.flush()
-        self._reset_empty_zones()
-
-    def _mark_bad(self, z: int, why: str, exts: list, valid_upto: int | None = None) -> None:
-        """Take zone ``z`` out of service at mount (see ``bad_zones``); its files stay listed.
-
-        The allocator sees the zone as full of live data (it is never chosen, never a GC
-        victim); reads of bytes past ``valid_upto`` fail with EIO instead of returning what the
-        device holds there."""
-        lsum = 0
-        for e in exts:
-            self.alloc.note_write(z, e.length, e.hint, True)
-            lsum += e.length
-        if self.cap > lsum:
-            self.alloc.note_write(z, self.cap - lsum, INF, False)
-        self.alloc.note_finish(z)
-        files = sorted({self.path_of(ino.ino) for ino in self.inodes.values()
-                        for e in ino.extents.in_zone(z)}) if exts else []
-        self.bad_zones[z] = {"reason": why, "valid_upto": valid_upto, "files": files}
-        log.error("zone %d out of service (%s); %d files have data there%s", z, why, len(files),
-                  (": " + ", ".join(files[:5]) + (" ..." if len(files) > 5 else "")) if files else "")
-
-    def _load_snapshot(self, snap: bytes, partial: bool = False) -> None:
-        try:
-            head, inodes = NS.load_snapshot(snap, partial)
-        except (ValueError, KeyError, TypeError) as e:
-            # the frames passed their CRCs, so this is a bug or a forged image: never guess
-            raise J.JournalError(f"metadata snapshot does not decode: {e}") from None
-        self.inodes = inodes
-        self.next_ino = head.next_ino
-        self.now = head.now
-        for z, g in head.zgen.items():
-            self.zgen[z] = g
-        self.csums.load(head.csums)
-
     def _snapshot(self) -> bytes:
         with self.lock:
             head = R.SnapshotHeader(self.next_ino, self.now,
                                     {z: g for z, g in enumerate(self.zgen) if g},
                                     self.csums.items())
-            return NS.encode_snapshot(self.inodes, head)
+            return NS.encode_snapshot_parts(self.inodes, head)
 
     # ------------------------------------------------------------------ journal apply
     def do_locked(self, rtype: int, payload: bytes):
