@@ -150,9 +150,11 @@ def _rt_prop(name: str, default, drop_when_idle: bool = False):
 
 
 # ------------------------------------------------------------------ the inode table
-# Columns of a row (int64 each).  A row is free while its mode is 0 (every inode has a type).
-C_MODE, C_NLINK, C_SIZE, C_ATIME, C_MTIME, C_CTIME, C_PARENT, C_UG = range(8)
-NCOL = 8
+# Columns of a row (int64 each).  A row is free while its first column is 0 (every inode has a
+# type); that column holds the mode in its low 32 bits and the owner's uid/gid id above.
+C_MODE, C_NLINK, C_SIZE, C_ATIME, C_MTIME, C_CTIME, C_PARENT = range(7)
+NCOL = 7
+_M32 = 0xFFFFFFFF
 PAGE_BITS = 10
 _ZERO_PAGE = {}
 # uid/gid pairs: an id per distinct pair (id 0 is root:root), shared by every table
@@ -449,7 +451,14 @@ class Inode:
     def __hash__(self) -> int:
         return hash(self.ino)
 
-    mode = _col(C_MODE)
+    @property
+    def mode(self) -> int:
+        return self._p.a[self._r * NCOL] & _M32
+
+    @mode.setter
+    def mode(self, v: int) -> None:
+        a, o = self._p.a, self._r * NCOL
+        a[o] = (a[o] >> 32 << 32) | v
     nlink = _col(C_NLINK)
     size = _col(C_SIZE)
     atime = _col(C_ATIME)
@@ -479,12 +488,12 @@ class Inode:
     # -- owner
     @property
     def _ug(self):
-        i = self._p.a[self._r * NCOL + C_UG]
+        i = self._p.a[self._r * NCOL] >> 32
         return _UG_LIST[i] if i else None
 
     @property
     def uid(self) -> int:
-        return _UG_LIST[self._p.a[self._r * NCOL + C_UG]][0]
+        return _UG_LIST[self._p.a[self._r * NCOL] >> 32][0]
 
     @uid.setter
     def uid(self, v: int) -> None:
@@ -492,14 +501,15 @@ class Inode:
 
     @property
     def gid(self) -> int:
-        return _UG_LIST[self._p.a[self._r * NCOL + C_UG]][1]
+        return _UG_LIST[self._p.a[self._r * NCOL] >> 32][1]
 
     @gid.setter
     def gid(self, v: int) -> None:
         self._set_ug(self.uid, v)
 
     def _set_ug(self, uid: int, gid: int) -> None:
-        self._p.a[self._r * NCOL + C_UG] = _ug_id(uid, gid)
+        a, o = self._p.a, self._r * NCOL
+        a[o] = (_ug_id(uid, gid) << 32) | (a[o] & _M32)
 
     # -- rare persistent attributes
     rdev = _x_prop("rdev", 0)
@@ -672,14 +682,13 @@ class Inode:
         """Take the persistent attributes of an entry (not its extents or dirents)."""
         (_, mode, uid, gid, nlink, size, at, mt, ct, rdev, parent) = r.fixed
         a, o = self._p.a, self._r * NCOL
-        a[o] = mode
+        a[o] = mode | ((_ug_id(uid, gid) << 32) if (uid or gid) else 0)
         a[o + C_NLINK] = nlink
         a[o + C_SIZE] = size
         a[o + C_ATIME] = at
         a[o + C_MTIME] = mt
         a[o + C_CTIME] = ct
         a[o + C_PARENT] = parent
-        a[o + C_UG] = _ug_id(uid, gid) if (uid or gid) else 0
         if self.name != r.name:
             self.name = r.name
         h = r.hint
@@ -785,9 +794,9 @@ def load_snapshot(blob, partial: bool = False) -> tuple[R.SnapshotHeader, InodeT
                 a[o + C_ATIME] = f[6]
                 a[o + C_MTIME] = f[7]
                 a[o + C_CTIME] = f[8]
-                par = a[o + C_PARENT] = f[10]
+                a[o + C_PARENT] = f[10]
                 if f[2] or f[3]:
-                    a[o + C_UG] = _ug_id(f[2], f[3])
+                    a[o] |= _ug_id(f[2], f[3]) << 32
                 have = p.names[row]           # set by the parent's entry, when decoded first
                 if have != name:
                     p.names[row] = name
@@ -811,9 +820,9 @@ def load_snapshot(blob, partial: bool = False) -> tuple[R.SnapshotHeader, InodeT
             a[o + C_ATIME] = f[6]
             a[o + C_MTIME] = f[7]
             a[o + C_CTIME] = f[8]
-            par = a[o + C_PARENT] = f[10]
+            a[o + C_PARENT] = f[10]
             if f[2] or f[3]:
-                a[o + C_UG] = _ug_id(f[2], f[3])
+                a[o] |= _ug_id(f[2], f[3]) << 32
             if p.names[row] != r.name:        # (kept: the parent's entry's name object)
                 p.names[row] = r.name
             if r.hint is not None:

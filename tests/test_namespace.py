@@ -1,0 +1,99 @@
+"""The packed inode table (namespace.InodeTable) against a dict model: rows, pages that come
+and go, views that read and write their row, owners packed beside the mode, detached copies,
+side objects (extents, xattrs, open-file state).  Page boundaries are exercised by small
+pages and inode numbers around them."""
+from __future__ import annotations
+
+import stat
+
+from hypothesis import given, settings, strategies as st
+
+from retainzfs.namespace import Inode, InodeTable
+
+FIELDS = ("nlink", "size", "atime", "mtime", "ctime", "parent")
+MODES = (stat.S_IFREG | 0o644, stat.S_IFDIR | 0o755, stat.S_IFLNK | 0o777, stat.S_IFREG | 0o4755)
+
+ino_s = st.integers(1, 40) | st.sampled_from([1023, 1024, 1025, 2047, 2048, 1 << 40])
+op_s = st.one_of(
+    st.tuples(st.just("new"), ino_s, st.sampled_from(MODES)),
+    st.tuples(st.just("set"), ino_s, st.sampled_from(FIELDS), st.integers(-2**62, 2**62)),
+    st.tuples(st.just("own"), ino_s, st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1)),
+    st.tuples(st.just("chmod"), ino_s, st.sampled_from(MODES)),
+    st.tuples(st.just("name"), ino_s, st.binary(max_size=255)),
+    st.tuples(st.just("xattr"), ino_s, st.binary(min_size=1, max_size=8), st.binary(max_size=8)),
+    st.tuples(st.just("ext"), ino_s, st.integers(0, 1 << 30), st.integers(1, 1 << 20)),
+    st.tuples(st.just("pop"), ino_s),
+    st.tuples(st.just("adopt"), ino_s, st.sampled_from(MODES), st.integers(0, 99)),
+)
+
+
+def state(v: Inode) -> dict:
+    d = {f: getattr(v, f) for f in FIELDS}
+    d.update(mode=v.mode, uid=v.uid, gid=v.gid, name=v.name, xattrs=dict(v.xattrs),
+             exts=[(e.off, e.length) for e in v.extents])
+    return d
+
+
+def fresh(mode: int) -> dict:
+    return {"nlink": 1, "size": 0, "atime": 0, "mtime": 0, "ctime": 0, "parent": 0,
+            "mode": mode, "uid": 0, "gid": 0, "name": b"", "xattrs": {}, "exts": []}
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([0, 3, 10]), st.lists(op_s, max_size=60))
+def test_table_matches_a_dict_model(bits, ops):
+    t = InodeTable(bits)
+    model: dict[int, dict] = {}
+    for op in ops:
+        kind, ino = op[0], op[1]
+        if kind == "new":
+            if ino in model:
+                continue
+            t.new(ino, op[2])
+            model[ino] = fresh(op[2])
+        elif ino not in model:
+            if kind == "adopt":
+                v = Inode(ino, op[2], uid=op[3], gid=op[3] + 1, size=op[3], name=b"a%d" % op[3])
+                t[ino] = v
+                assert v._t is t                       # rebound to the row
+                v.size += 1
+                model[ino] = fresh(op[2]) | {"uid": op[3], "gid": op[3] + 1,
+                                             "size": op[3] + 1, "name": b"a%d" % op[3]}
+            else:
+                assert t.get(ino) is None and ino not in t
+            continue
+        elif kind == "set":
+            setattr(t[ino], op[2], op[3])
+            model[ino][op[2]] = op[3]
+        elif kind == "own":
+            v = t[ino]
+            v.uid, v.gid = op[2], op[3]
+            model[ino].update(uid=op[2], gid=op[3])
+        elif kind == "chmod":
+            t[ino].mode = op[2]
+            model[ino]["mode"] = op[2]
+        elif kind == "name":
+            t[ino].name = op[2]
+            model[ino]["name"] = op[2]
+        elif kind == "xattr":
+            t[ino].set_xattr(op[2], op[3])
+            model[ino]["xattrs"][op[2]] = op[3]
+        elif kind == "ext":
+            m = t[ino].extmap()
+            m.add(op[2], op[3], 5, 0, 1.0)
+            model[ino]["exts"] = [(e.off, e.length) for e in m]
+        elif kind == "pop":
+            d = t.pop(ino)
+            assert state(d) == model.pop(ino)          # a detached copy, whole
+            assert ino not in t
+        elif kind == "adopt":
+            continue
+        assert len(t) == len(model)
+    assert sorted(t) == sorted(model)
+    assert [v.ino for v in t.values()] == sorted(model)
+    for ino, want in model.items():
+        assert state(t[ino]) == want, ino
+    # pages go with their last inode
+    for ino in list(model):
+        del t[ino]
+    assert not t.pages and len(t) == 0
