@@ -137,7 +137,9 @@ def test_namespace_snapshot_roundtrip(items):
         from retainzfs.namespace import intern_hint
         ino.hint = intern_hint(h)
         for off, length, zone, zoff, eh in exts:
-            ino.extmap().add(off % (1 << 40), length % (1 << 30), zone, zoff, eh)
+            # (zone offsets as a device has them: below 2^40, so extents cut by later adds
+            # stay representable)
+            ino.extmap().add(off % (1 << 40), length % (1 << 30), zone, zoff % (1 << 40), eh)
         inodes[i] = ino
         root.link(nm, i)
     head, got = load_snapshot(encode_snapshot(inodes, R.SnapshotHeader(len(inodes) + 1, 7)))
@@ -146,8 +148,22 @@ def test_namespace_snapshot_roundtrip(items):
         b = got[i]
         assert _same(a.to_rec(), b.to_rec())
         assert dict(a.entries) == dict(b.entries) and dict(a.xattrs) == dict(b.xattrs)
-        assert [e.as_list() for e in a.extents] == [e.as_list() for e in b.extents]
+        assert _canon(a.extents) == _canon(b.extents)
     assert list(got[1].cookies) == list(root.entries)
+
+
+def _canon(exts) -> list:
+    """Extents with contiguous neighbours merged (what ``ExtentMap.add`` makes of them when
+    they are added in file order, as a snapshot load does)."""
+    out: list = []
+    for e in sorted(exts, key=lambda e: e.off):
+        p = out[-1] if out else None
+        if (p is not None and p[0] + p[1] == e.off and p[2] == e.zone
+                and p[3] + p[1] == e.zoff and p[4] == e.hint):
+            p[1] += e.length
+        else:
+            out.append([e.off, e.length, e.zone, e.zoff, e.hint])
+    return out
 
 
 def _store_image(tmp_path, nfiles=300):
