@@ -48,8 +48,11 @@ class DataPath:
                 lo, hi = max(bo, off), min(bo + bl, off + size)
                 if hi > lo:
                     overlay = (lo - off, inode.wbuf.slice(lo, hi))
-            with s._readers_cv:
-                s._readers += 1
+            zones = {seg[1] for seg in segs}
+            rd = s._zone_readers
+            with s._readers_cv:           # a reset of these zones waits for this read
+                for z in zones:
+                    rd[z] = rd.get(z, 0) + 1
         try:
             if len(segs) == 1 and segs[0][0] == 0 and segs[0][3] == size and overlay is None:
                 return self.verified_read(segs[0][1], segs[0][2], size, ino, off)
@@ -58,7 +61,12 @@ class DataPath:
                 out[dst:dst + length] = self.verified_read(zone, zoff, length, ino, off + dst)
         finally:
             with s._readers_cv:
-                s._readers -= 1
+                for z in zones:
+                    n = rd[z] - 1
+                    if n:
+                        rd[z] = n
+                    else:
+                        del rd[z]
                 s._readers_cv.notify_all()
         if overlay is not None:
             out[overlay[0]:overlay[0] + len(overlay[1])] = overlay[1]

@@ -7,7 +7,7 @@ Owns the set of zones waiting for a reset (``pending``) and THE reset sequence
    generation on (a ZONE_RESET record: no extent written before can map onto the zone again);
 2. journal flush with sync: the deletions/relocations and the new generations are durable
    before any data is destroyed;
-3. wait for in-flight reads, reset the zones on the device;
+3. wait for in-flight reads of those zones (only those), reset the zones on the device;
 4. under ``Store.lock``: allocator summaries, counters, out-of-service marks.
 
 GC picks victims from the allocator's summaries and moves their live extents through the data
@@ -80,7 +80,10 @@ class Reclaim:
             return zones
         s.journal_flush_iolocked(sync=True)     # deletions + new generations durable first
         with s._readers_cv:
-            while s._readers:
+            # only reads of these zones (started before their last extent died: no later
+            # lookup can return one) are waited for; reads elsewhere never delay a reset
+            rd = s._zone_readers
+            while any(z in rd for z in zones):
                 s._readers_cv.wait()
             for z in zones:
                 s.dev.reset(z)

@@ -21,7 +21,7 @@ sections.  ``self.io_lock`` serialises device writes, finishes, resets and journ
 must be written at their write pointer, in order).  The order is always io_lock -> lock, never
 the reverse.  Methods named ``*_locked`` need ``self.lock`` held, ``*_iolocked`` need
 ``io_lock`` held, and assert it.  Reads take neither lock during device I/O; a zone reset waits
-until in-flight reads are done (``_readers``).
+until in-flight reads of that zone are done (``_zone_readers``).
 
 Durability contract: a file's data and extents are durable when ``fsync`` returns; ``flush``
 (close) writes data and journal records without a device flush; namespace changes are durable at
@@ -143,7 +143,7 @@ class Store:
         self.dev = dev
         self.lock = threading.RLock()
         self.io_lock = threading.RLock()     # an RLock for ``_is_owned``: never re-entered
-        self._readers = 0
+        self._zone_readers: dict[int, int] = {}     # zone -> reads in flight (_readers_cv)
         self._readers_cv = threading.Condition(threading.Lock())
         sb = J.probe_superblock(dev)
         if sb is None:

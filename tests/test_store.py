@@ -304,3 +304,56 @@ def test_lock_discipline_is_asserted(tmp_path):
     assert s.read(ino, 0, 10) == b"x" * 10 and s.check() == []
     s.close()
     dev.close()
+
+
+def test_zone_reset_waits_only_for_reads_of_its_zones(tmp_path):
+    """A reset waits for reads in flight *of the zones it resets* (their data may still be
+    read by a read that began before the deletion), never for reads elsewhere: a stream of
+    reads of one checkpoint must not stall the reclaim of another (issue 10)."""
+    import threading
+    path, dev, s = fresh(tmp_path)
+    d = s.mkdir(1, b"d", 0o755).ino
+    late = {b"user.retainz.reclaim": b"100"}
+    soon = {b"user.retainz.reclaim": b"5"}
+    real_read = dev.read
+    gate = {"zones": set(), "in": threading.Event(), "go": threading.Event()}
+
+    def slow_read(zone, off, n):
+        if zone in gate["zones"]:
+            gate["in"].set()
+            assert gate["go"].wait(30)
+        return real_read(zone, off, n)
+
+    dev.read = slow_read
+
+    def scenario(read_ino, victim_name):
+        gate["in"].clear()
+        gate["go"].clear()
+        gate["zones"] = {e.zone for e in s.inodes[read_ino].extents}
+        r = threading.Thread(target=s.read, args=(read_ino, 0, 4096))
+        r.start()
+        assert gate["in"].wait(10), "the read never reached the device"
+        before = s.stats["zone_resets"]
+        u = threading.Thread(target=s.unlink, args=(d, victim_name))
+        u.start()
+        u.join(3)
+        waited = u.is_alive()
+        gate["go"].set()
+        u.join(10)
+        r.join(10)
+        assert not u.is_alive() and not r.is_alive()
+        assert s.stats["zone_resets"] > before, "the deletion reset no zone"
+        return waited
+
+    hot = put(s, d, b"hot", os.urandom(700 * 1024), xattrs=late)
+    old = put(s, d, b"old", os.urandom(700 * 1024), xattrs=soon)
+    zh = {e.zone for e in s.inodes[hot].extents}
+    zo = {e.zone for e in s.inodes[old].extents}
+    assert zh and zo and not zh & zo, (zh, zo)
+    assert not scenario(hot, b"old"), "a reset waited for a read of another zone"
+    old = put(s, d, b"old2", os.urandom(700 * 1024), xattrs=soon)
+    assert not {e.zone for e in s.inodes[old].extents} & zh
+    assert scenario(old, b"old2"), "a zone was reset under a read of it"
+    dev.read = real_read
+    s.close()
+    dev.close()
