@@ -57,17 +57,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-META_PAIR_ZONES = 4       # format v2: two mirrored pairs
-
+from . import hints as H
 from . import workload as wl
 from ._alloc import POLICIES
 from .device import create_image
 from .store import FsError, Store, StoreOptions
+from .superblock import MIN_META_ZONES
+
+META_PAIR_ZONES = MIN_META_ZONES   # format v2: two mirrored pairs (superblock's rule)
 
 MiB = 1 << 20
 IO_SIZE = 1 * MiB                     # bytes per write()/read() request (FUSE-like granularity)
 DEFAULT_DEVICE = wl.DeviceSpec(4 * MiB, 4 * MiB, 64, 2, 7, 4096)
-X_BIRTH, X_RECLAIM, X_STREAM = b"user.retainz.birth", b"user.retainz.reclaim", b"user.retainz.stream"
+X_BIRTH, X_RECLAIM, X_STREAM = H.XATTR_BIRTH, H.XATTR_RECLAIM, H.XATTR_STREAM
 
 
 class ReplayError(RuntimeError):

@@ -54,7 +54,7 @@ from .nsops import NAME_MAX, ROOT_INO, NamespaceOps, StoreHints
 from .openfiles import OpenFiles
 from .reclaim import Reclaim
 from .stats import LatencyHistogram, StoreStats
-from .superblock import FormatError, Superblock, default_meta_zones
+from .superblock import FormatError, Superblock, default_meta_zones, meta_zones_problem
 
 log = logging.getLogger("retainzfs")
 
@@ -64,18 +64,6 @@ __all__ = ["FsError", "Inode", "LatencyHistogram", "NAME_MAX", "ROOT_INO", "Stor
            "StoreOptions"]
 
 
-#: metadata zones: an even number (mirrored pairs), at least two pairs (superblock.py's
-#: ``compatible_with`` and replay.py's ``META_PAIR_ZONES`` still spell the 4 out; both belong
-#: beside ``superblock.default_meta_zones`` with this)
-MIN_META_ZONES = 4
-
-
-def meta_zones_problem(n: int) -> str | None:
-    """Why ``n`` metadata zones cannot be formatted, or None."""
-    if n < MIN_META_ZONES or n % 2:
-        return (f"--meta-zones {n}: need an even number >= {MIN_META_ZONES} (metadata is "
-                f"written to mirrored zone pairs)")
-    return None
 
 
 def now_ns() -> int:

@@ -78,9 +78,23 @@ class Superblock:
             if getattr(self, name) != getattr(dev, name):
                 return (f"superblock {name} {getattr(self, name)} does not match the device's "
                         f"{getattr(dev, name)}")
-        if self.meta_zones < 4 or self.meta_zones % 2 or self.meta_zones >= self.nr_zones:
-            return f"superblock names {self.meta_zones} metadata zones (need an even number >= 4)"
+        if meta_zones_problem(self.meta_zones) or self.meta_zones >= self.nr_zones:
+            return (f"superblock names {self.meta_zones} metadata zones (need an even number "
+                    f">= {MIN_META_ZONES}, fewer than the device's zones)")
         return None
+
+
+#: metadata zones: an even number (mirrored pairs), at least two pairs — the one rule, used by
+#: mkfs, ``Store.format``, ``compatible_with`` and replay
+MIN_META_ZONES = 4
+
+
+def meta_zones_problem(n: int) -> str | None:
+    """Why ``n`` metadata zones cannot be formatted, or None."""
+    if n < MIN_META_ZONES or n % 2:
+        return (f"--meta-zones {n}: need an even number >= {MIN_META_ZONES} (metadata is "
+                f"written to mirrored zone pairs)")
+    return None
 
 
 def default_meta_zones(nr_zones: int, zone_capacity: int) -> int:
@@ -89,6 +103,6 @@ def default_meta_zones(nr_zones: int, zone_capacity: int) -> int:
     Two pairs on small devices (up to 128 zones); otherwise about 1 % of the capacity, at least three pairs and
     at most 16: the ring must hold the previous snapshot, the log since it and the next one."""
     if nr_zones <= 128:
-        return 4
+        return MIN_META_ZONES
     pairs = max(3, min(16, -(-(nr_zones * zone_capacity // 100) // (2 * zone_capacity))))
     return 2 * pairs

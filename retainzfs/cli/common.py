@@ -4,6 +4,9 @@ from __future__ import annotations
 import os
 import re
 import sys
+from typing import NoReturn
+
+from ..superblock import MIN_META_ZONES
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -44,7 +47,7 @@ def is_retainzfs_mount(path: str) -> bool:
         return False
 
 
-def no_superblock_message(dev, target: str, meta_zones: int = 4) -> str:
+def no_superblock_message(dev, target: str, meta_zones: int = MIN_META_ZONES) -> str:
     """Why ``probe_superblock`` found nothing: never formatted, or formatted and corrupt.
 
     Suggesting mkfs for a filesystem whose superblock record fails its checksum would invite

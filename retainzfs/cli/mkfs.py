@@ -8,7 +8,8 @@ import sys
 
 from .. import _journal as J
 from ..device import DeviceError, create_image, open_device
-from ..store import FsError, Store, meta_zones_problem
+from ..store import FsError, Store
+from ..superblock import meta_zones_problem
 from ..superblock import FormatError
 from .common import die, find_mount_of, parse_size
 
