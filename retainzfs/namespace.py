@@ -778,28 +778,33 @@ def load_snapshot(blob, partial: bool = False) -> tuple[R.SnapshotHeader, InodeT
     bits, mask = t.bits, t.mask
     pages = t.pages
     new_row = t._new_row
+
+    def fill(f, name):
+        """A new row from an entry's fixed fields; (page, row)."""
+        try:
+            p, row = new_row(f[0], f[1])
+        except KeyError:
+            raise ValueError("snapshot: an inode number appears twice") from None
+        a, o = p.a, row * NCOL
+        a[o + C_NLINK] = f[4]
+        a[o + C_SIZE] = f[5]
+        a[o + C_ATIME] = f[6]
+        a[o + C_MTIME] = f[7]
+        a[o + C_CTIME] = f[8]
+        a[o + C_PARENT] = f[10]
+        if f[2] or f[3]:
+            a[o] |= _ug_id(f[2], f[3]) << 32
+        if p.names[row] != name:          # (else keep the parent's entry's name object)
+            p.names[row] = name
+        return p, row
+
     try:
         for r in it:
             if type(r) is tuple:
                 # a plain entry (nine in ten): (fixed fields, name), no object built for it
                 f, name = r
                 ino = f[0]
-                try:
-                    p, row = new_row(ino, f[1])
-                except KeyError:
-                    raise ValueError("snapshot: an inode number appears twice") from None
-                a, o = p.a, row * NCOL
-                a[o + C_NLINK] = f[4]
-                a[o + C_SIZE] = f[5]
-                a[o + C_ATIME] = f[6]
-                a[o + C_MTIME] = f[7]
-                a[o + C_CTIME] = f[8]
-                a[o + C_PARENT] = f[10]
-                if f[2] or f[3]:
-                    a[o] |= _ug_id(f[2], f[3]) << 32
-                have = p.names[row]           # set by the parent's entry, when decoded first
-                if have != name:
-                    p.names[row] = name
+                p, row = fill(f, name)
                 if stat.S_ISDIR(f[1]) or f[9]:
                     v = Inode._view(ino, t, p, row)
                     if stat.S_ISDIR(f[1]):
@@ -810,21 +815,7 @@ def load_snapshot(blob, partial: bool = False) -> tuple[R.SnapshotHeader, InodeT
                 continue
             f = r.fixed
             ino = f[0]
-            try:
-                p, row = new_row(ino, f[1])
-            except KeyError:
-                raise ValueError("snapshot: an inode number appears twice") from None
-            a, o = p.a, row * NCOL
-            a[o + C_NLINK] = f[4]
-            a[o + C_SIZE] = f[5]
-            a[o + C_ATIME] = f[6]
-            a[o + C_MTIME] = f[7]
-            a[o + C_CTIME] = f[8]
-            a[o + C_PARENT] = f[10]
-            if f[2] or f[3]:
-                a[o] |= _ug_id(f[2], f[3]) << 32
-            if p.names[row] != r.name:        # (kept: the parent's entry's name object)
-                p.names[row] = r.name
+            p, row = fill(f, r.name)
             if r.hint is not None:
                 p.hints[row] = intern_hint(r.hint)
             isdir = stat.S_ISDIR(f[1])
