@@ -12,6 +12,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from time import time_ns as now_ns
 
+from . import hints as H
 from . import records as R
 from .errors import FsError
 
@@ -32,6 +33,43 @@ class OpenFiles:
             inode = s.ns.get_locked(ino)
             inode.opens += 1
             return inode
+
+    @staticmethod
+    def clean_locked(inode) -> bool:
+        """Nothing for a commit to do: no buffered bytes, no background flush (in flight or
+        done: ``flushing`` is kept), no parked error, attributes saved, no ``.retainz`` waiting
+        for validation.  Store.lock held."""
+        return not (inode.has_buffered() or inode.dirty or inode.inflight
+                    or inode.flush_err is not None
+                    or (inode.policy_dirty and inode.name == H.POLICY_NAME))
+
+    def flush_clean(self, ino: int) -> bool:
+        """True when a close's ``Store.commit(durable=False)`` would do nothing (a file opened
+        only to read, a second close): the FUSE adapter answers such a FLUSH on the event loop.
+        Store.lock only, no I/O."""
+        s = self.s
+        with s.lock:
+            inode = s.inodes.get(ino)
+            return inode is None or self.clean_locked(inode)
+
+    def release_clean(self, ino: int) -> bool:
+        """``Store.release`` on the event loop when its commit has nothing to do (the usual
+        RELEASE after a close's FLUSH wrote the file): the open count, the allocator's writer,
+        freeing an unlinked file.  Store.lock only, no I/O; False: call ``Store.release`` in a
+        worker thread.  A freed file may leave zones to reset (``Store.reset_pending``)."""
+        s = self.s
+        with s.lock:
+            inode = s.inodes.get(ino)
+            if inode is None:
+                return True
+            if not self.clean_locked(inode):
+                return False
+            inode.opens = max(0, inode.opens - 1)
+            if inode.opens == 0:
+                s.alloc.release_writer(ino)
+                if inode.nlink == 0:
+                    s.ns.free_inode_locked(inode)
+            return True
 
     def buffer_write(self, ino: int, off: int, data: bytes) -> int | None:
         """Append to the file's write buffer if that needs no device I/O; else None.
