@@ -239,13 +239,19 @@ class NamespaceOps:
             if inode.entries:
                 raise FsError(errno.ENOTEMPTY)
             self.del_entry_locked(p, name)
-            p.nlink -= 1
-            self.save_inode_locked(p)
-            inode.nlink = 0
-            if inode.opens == 0 and inode.lookups == 0:
-                self.free_inode_locked(inode)
-            else:
-                self.save_inode_locked(inode)
+            self.retire_dir_locked(p, inode)
+
+    def retire_dir_locked(self, parent, d) -> None:
+        """An (empty) directory lost its name in ``parent``: freed now, or journaled with
+        nlink 0 while the kernel still refers to it (freed at its last forget, or as an
+        orphan by the next mount)."""
+        parent.nlink -= 1
+        self.save_inode_locked(parent)
+        d.nlink = 0
+        if d.opens == 0 and d.lookups == 0:
+            self.free_inode_locked(d)
+        else:
+            self.save_inode_locked(d)
 
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
                flags: int = 0) -> None:
@@ -303,11 +309,7 @@ class NamespaceOps:
             self.save_inode_locked(moving)
             if victim is not None:
                 if victim.is_dir:
-                    np_.nlink -= 1
-                    self.save_inode_locked(np_)
-                    victim.nlink = 0
-                    if victim.opens == 0 and victim.lookups == 0:
-                        self.free_inode_locked(victim)
+                    self.retire_dir_locked(np_, victim)
                 else:
                     self.drop_link_locked(victim)
             if op.ino != np_.ino or old_name != new_name:
