@@ -303,11 +303,12 @@ def load(dev, sb):
     st.sb = sb
     pairs = sb.meta_zones // 2
     per_pair = {}
+    probs_of = {}                     # pair -> repaired single-copy damage found in it
     frames = []                       # (seq, pair, offset, body)
     for p in range(pairs):
         fr, probs, dmg = read_pair(dev, p, fsid, bs)
-        st.problems += probs
         per_pair[p] = dmg
+        probs_of[p] = probs
         for seq, body, off in fr:
             frames.append((seq, p, off, body))
     frames.sort()
@@ -378,6 +379,11 @@ def load(dev, sb):
         if p not in order:
             order.append(p)
     st.live = order
+    # Only the live pairs matter: a pair holding nothing newer than the snapshot is about to be
+    # reset and reused, and a kill between the resets of its two zones (a roll's old pairs,
+    # or a pair being started) leaves one copy empty — not damage to anything acknowledged.
+    for p in order:
+        st.problems += probs_of[p]
     last = order[-1]
     # damage: in the middle of the live log it is corruption; at the very end a torn flush
     for p in order:
