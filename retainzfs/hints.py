@@ -6,6 +6,8 @@ store only asks "what is the hint of this path?" and places data accordingly.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import errno
 import logging
 import math
@@ -303,7 +305,7 @@ def nongeneration_hint(policy: Policy, components: list[str], sibling_births: li
     return Hint(0, INF, stream, "policy-nongeneration")
 
 
-class HintResolver:
+class HintResolver(ABC):
     """The one hint resolution: a file's own hint xattrs, else an ancestor's hint xattrs
     (``xattr-inherited``), else the nearest ancestor's ``.retainz`` policy (a generation below
     it, a rolling file, or an anchor), else :data:`UNHINTED`.
@@ -312,29 +314,35 @@ class HintResolver:
     and say only how to walk their tree, so they cannot disagree on the rules (the default
     stream of a policy without ``stream`` is the policy directory's inode number)."""
 
+    @abstractmethod
     def parent(self, node):
         """The directory holding ``node``, or None at the root (or when it is unknown)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def name(self, node) -> str:
         """The name of ``node`` in its parent."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def xattrs(self, node) -> dict:
         """``node``'s xattrs (at least the hint xattrs), name bytes -> value bytes."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def policy(self, d) -> Policy | None:
         """The ``.retainz`` policy in force in directory ``d`` itself (not inherited)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def entry_names(self, d):
         """Names of the entries of directory ``d`` (str)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def dir_id(self, d) -> int:
         """The inode number of directory ``d`` (the default stream of its policy)."""
-        raise NotImplementedError
+        ...
 
     def resolve(self, node) -> Hint:
         h = hint_from_xattrs(self.xattrs(node))

@@ -258,7 +258,8 @@ class InodeTable(MutableMapping):
     def __len__(self) -> int:
         return self.n
 
-    def __iter__(self):
+    def _live_rows(self):
+        """(inode number, page, row) of every inode, in inode-number order."""
         bits = self.bits
         for k in sorted(self.pages):
             p = self.pages.get(k)
@@ -268,19 +269,16 @@ class InodeTable(MutableMapping):
             base = k << bits
             for r in range(1 << bits):
                 if a[r * NCOL]:
-                    yield base + r
+                    yield base + r, p, r
+
+    def __iter__(self):
+        for ino, _, _ in self._live_rows():
+            yield ino
 
     def values(self):
-        bits, view = self.bits, Inode._view
-        for k in sorted(self.pages):
-            p = self.pages.get(k)
-            if p is None:
-                continue
-            a = p.a
-            base = k << bits
-            for r in range(1 << bits):
-                if a[r * NCOL]:
-                    yield view(base + r, self, p, r)
+        view = Inode._view
+        for ino, p, r in self._live_rows():
+            yield view(ino, self, p, r)
 
     def items(self):
         for v in self.values():
