@@ -1,10 +1,12 @@
-"""Build retainzfs: Cython hot paths (allocator, journal codec) plus console scripts."""
+"""Build retainzfs: Cython hot paths (allocator, journal codec, GIL-free I/O buffers and
+checksums) plus console scripts."""
 from setuptools import Extension, find_packages, setup
 from Cython.Build import cythonize
 
 extensions = [
     Extension("retainzfs._alloc", ["retainzfs/_alloc.pyx"], extra_compile_args=["-O2"]),
     Extension("retainzfs._journal", ["retainzfs/_journal.pyx"], extra_compile_args=["-O2"]),
+    Extension("retainzfs._iobuf", ["retainzfs/_iobuf.pyx"], extra_compile_args=["-O2"]),
 ]
 
 setup(

@@ -14,34 +14,17 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_right
 
-from crc32c import crc32c
-
+from ._iobuf import crc32c_pieces
 from .records import CSUM_PIECE
 
 
 def crcs_of(parts, length: int) -> array:
-    """CRC32C of each CSUM_PIECE of the first ``length`` bytes of a scatter list."""
-    out = array("I")
-    crc = 0
-    fill = 0
-    for p in parts:
-        mv = p if type(p) is memoryview else memoryview(p)
-        if mv.format != "B":
-            mv = mv.cast("B")
-        pos, n = 0, mv.nbytes
-        while pos < n:
-            take = min(n - pos, CSUM_PIECE - fill)
-            crc = crc32c(mv[pos:pos + take], crc)
-            fill += take
-            pos += take
-            if fill == CSUM_PIECE:
-                out.append(crc)
-                crc, fill = 0, 0
-    if fill:
-        out.append(crc)
-    if len(out) != -(-length // CSUM_PIECE):
-        raise ValueError("checksummed length does not match the data")
-    return out
+    """CRC32C of each CSUM_PIECE of the first ``length`` bytes of a scatter list (computed in
+    ``_iobuf`` without the GIL: the flusher must not hold up the FUSE loop)."""
+    try:
+        return crc32c_pieces(parts, length, CSUM_PIECE)
+    except ValueError:
+        raise ValueError("checksummed length does not match the data") from None
 
 
 class Run:
@@ -153,13 +136,12 @@ class ZoneChecksums:
     def bad_pieces(run: Run, lo: int, hi: int, data, base: int) -> list[int]:
         """Zone offsets of the pieces whose bytes (``data`` starts at zone offset ``base``)
         do not match their CRC."""
-        mv = memoryview(data)
-        bad = []
-        for k in range(lo, hi):
-            a, b = run.zoff + k * CSUM_PIECE, min(run.zoff + (k + 1) * CSUM_PIECE, run.end)
-            if crc32c(mv[a - base:b - base]) != run.crcs[k]:
-                bad.append(a)
-        return bad
+        a0, b0 = run.zoff + lo * CSUM_PIECE, min(run.zoff + hi * CSUM_PIECE, run.end)
+        got = crc32c_pieces((memoryview(data)[a0 - base:b0 - base],), b0 - a0, CSUM_PIECE)
+        want = run.crcs[lo:hi]
+        if got == want:
+            return []
+        return [run.zoff + (lo + k) * CSUM_PIECE for k in range(hi - lo) if got[k] != want[k]]
 
     # -- snapshot
     def load(self, table: dict) -> None:

@@ -22,6 +22,8 @@ from .device import ZoneCond
 from .errors import FsError
 from .writebuf import Chunks
 
+Buffer = bytes | bytearray | memoryview
+
 log = logging.getLogger("retainzfs")
 
 
@@ -34,7 +36,9 @@ class DataPath:
         self.save_est: dict[int, int] = {}               # stream -> previous generation's size
 
     # ------------------------------------------------------------------ reads
-    def read(self, ino: int, off: int, size: int) -> bytes:
+    def read(self, ino: int, off: int, size: int, view: bool = False) -> Buffer:
+        """Bytes of a file; with ``view`` any buffer (the FUSE reply: on the O_DIRECT path the
+        device's own read buffer, no copy), else ``bytes``."""
         s = self.s
         with s.lock:
             inode = s.ns.get_locked(ino)
@@ -55,7 +59,8 @@ class DataPath:
                     rd[z] = rd.get(z, 0) + 1
         try:
             if len(segs) == 1 and segs[0][0] == 0 and segs[0][3] == size and overlay is None:
-                return self.verified_read(segs[0][1], segs[0][2], size, ino, off)
+                data = self.verified_read(segs[0][1], segs[0][2], size, ino, off)
+                return data if view or type(data) is bytes else bytes(data)
             out = bytearray(size)
             for dst, zone, zoff, length in segs:
                 out[dst:dst + length] = self.verified_read(zone, zoff, length, ino, off + dst)
@@ -70,7 +75,7 @@ class DataPath:
                 s._readers_cv.notify_all()
         if overlay is not None:
             out[overlay[0]:overlay[0] + len(overlay[1])] = overlay[1]
-        return bytes(out)
+        return out if view else bytes(out)
 
     def read_all_locked(self, inode) -> bytes:
         """All of a (small) file: committed extents and buffered bytes (lock held)."""
@@ -84,9 +89,10 @@ class DataPath:
         return bytes(out[:inode.size])
 
     def verified_read(self, zone: int, zoff: int, length: int, ino: int = 0,
-                      file_off: int = 0) -> bytes:
+                      file_off: int = 0) -> Buffer:
         """Read committed bytes and check them against their CRC32C pieces; EIO on a mismatch
-        (logged once per piece with file, offset and zone; counted in ``checksum_errors``)."""
+        (logged once per piece with file, offset and zone; counted in ``checksum_errors``).
+        Any buffer (``bytes`` or a view of the device's read buffer): nothing copies it."""
         s = self.s
         with s.lock:
             span = s.csums.span(zone, zoff, length)
@@ -96,7 +102,7 @@ class DataPath:
             return self.dev_read(zone, zoff, length)
         a = ZoneChecksums.piece_range(*span[0])[0]
         b = ZoneChecksums.piece_range(*span[-1])[1]
-        data = self.dev_read(zone, a, b - a)
+        data = self.dev_read(zone, a, b - a, view=True)
         for run, lo, hi in span:
             bad = ZoneChecksums.bad_pieces(run, lo, hi, data, a)
             if bad:
@@ -104,7 +110,7 @@ class DataPath:
                                  "checksum mismatch")
         if a == zoff and b - a == length:
             return data
-        return data[zoff - a:zoff - a + length]
+        return memoryview(data)[zoff - a:zoff - a + length]
 
     def _csum_error(self, zone: int, zoff: int, ino: int, file_off: int, what: str) -> None:
         s = self.s
@@ -119,8 +125,9 @@ class DataPath:
                       file_off, zone, zoff)
         raise FsError(errno.EIO, f"{what} in zone {zone}")
 
-    def dev_read(self, zone: int, zoff: int, length: int) -> bytes:
-        """Read committed bytes; EIO for a range a zone failure made untrustworthy."""
+    def dev_read(self, zone: int, zoff: int, length: int, view: bool = False) -> Buffer:
+        """Read committed bytes; EIO for a range a zone failure made untrustworthy.  With
+        ``view`` any buffer (``ZonedDevice.read_view``), else ``bytes``."""
         bad = self.s.bad_zones.get(zone)
         if bad is not None:
             upto = bad["valid_upto"]
@@ -129,7 +136,8 @@ class DataPath:
                     bad["logged"] = True
                     log.error("read from zone %d refused with EIO: %s", zone, bad["reason"])
                 raise FsError(errno.EIO, f"zone {zone}: {bad['reason']}")
-        return self.s.dev.read(zone, zoff, length)
+        dev = self.s.dev
+        return dev.read_view(zone, zoff, length) if view else dev.read(zone, zoff, length)
 
     # ------------------------------------------------------------------ zones
     def ensure_open_slot_iolocked(self, zone: int) -> None:

@@ -35,6 +35,8 @@ from typing import NamedTuple, Union
 
 import crc32c as _crc32c
 
+from . import _iobuf
+
 __all__ = [
     "DeviceError", "ZoneCond", "Zone", "ZonedDevice", "ImageZonedDevice", "BlockZonedDevice",
     "open_device", "create_image",
@@ -166,6 +168,13 @@ class ZonedDevice(ABC):
     @abstractmethod
     def _io_read(self, zone: int, offset: int, length: int) -> bytes:
         """Read ``length`` bytes at ``offset`` of ``zone`` (bounds already checked)."""
+
+    #: True when ``_io_read_view`` has a cheaper buffer than ``_io_read``'s bytes
+    _view_reads = False
+
+    def _io_read_view(self, zone: int, offset: int, length: int) -> Buffer:
+        """``_io_read`` into whatever buffer is cheapest (only called when ``_view_reads``)."""
+        return self._io_read(zone, offset, length)
 
     @abstractmethod
     def _io_mgmt(self, op: str, zone: int) -> None:
@@ -309,6 +318,22 @@ class ZonedDevice(ABC):
             return b""
         return self._io_read(zone, offset, length)
 
+    def read_view(self, zone: int, offset: int, length: int) -> Buffer:
+        """``read``, as any buffer: on the O_DIRECT path the aligned buffer the device read
+        into, with no copy to a ``bytes`` (the FUSE reply is taken from it)."""
+        if not self._view_reads:
+            return self.read(zone, offset, length)
+        if not 0 <= zone < self.nr_zones:
+            raise _err(errno.EINVAL, f"zone {zone} out of range (0..{self.nr_zones - 1})")
+        if self._cond[zone] == _OFFLINE:
+            raise _err(errno.EIO, f"zone {zone} is OFFLINE: cannot read")
+        if offset < 0 or length < 0 or offset + length > self._cap[zone]:
+            raise _err(errno.EINVAL, f"zone {zone}: read of {length} bytes at {offset} is "
+                                     f"outside the zone capacity {self._cap[zone]}")
+        if not length:
+            return b""
+        return self._io_read_view(zone, offset, length)
+
     def reset(self, zone: int) -> None:
         """Rewind the zone: wp = 0, EMPTY, resources released.  Resetting EMPTY is a no-op."""
         with self._lock:
@@ -411,6 +436,11 @@ class ZonedDevice(ABC):
 
 _DIO_CHUNK = 8 * MiB                     # bounce buffer size (tests shrink it to force chunking)
 _DIO_ZERO_COPY_MIN = 64 * 1024           # below this a copy is cheaper than a failed try
+#: An image's zone writes below this go through the page cache even with ``direct=True``: a
+#: small file's close writes one padded block, and a synchronous disk write per close would
+#: cost a millisecond each; ``flush()`` (fsync of the one inode) makes both kinds durable, and
+#: the kernel keeps the two coherent (a direct read writes back dirty pages it overlaps).
+_IMAGE_DIRECT_MIN = 256 * 1024
 
 
 def _bytes_filler():
@@ -468,8 +498,7 @@ class _DirectIO:
         self.fd = fd
         self.path = path
         self.align = align
-        self._wbuf = mmap.mmap(-1, _DIO_CHUNK)
-        self._wmv = memoryview(self._wbuf)
+        self._scratch: _iobuf.AlignedBuf | None = _iobuf.AlignedBuf(_DIO_CHUNK)
         self._tls = threading.local()
         self.zero_copy_write = True          # False after the kernel refused once
         global _BYTES_FILLER
@@ -480,16 +509,16 @@ class _DirectIO:
     def pwrite(self, off: int, data: Buffer, n: int) -> None:
         """Write all ``n`` bytes of ``data`` (a buffer or a scatter list) at ``off``.
 
-        ``off`` and ``n`` must be multiples of ``align`` (the zone rules guarantee it).
+        ``off`` and ``n`` must be multiples of ``align`` (the zone rules guarantee it).  A
+        scatter list is copied once into the aligned scratch buffer, without the GIL.
         """
-        if type(data) is list or type(data) is tuple:
-            data = b"".join(data)           # copied into the bounce buffer anyway
-        src = data if type(data) is memoryview and data.format == "B" else memoryview(data).cast("B")
-        done = 0
-        if self.zero_copy_write and n >= _DIO_ZERO_COPY_MIN:
+        single = not (type(data) is list or type(data) is tuple)
+        if single and self.zero_copy_write and n >= _DIO_ZERO_COPY_MIN:
+            src = data if type(data) is memoryview and data.format == "B" else memoryview(data).cast("B")
+            done = 0
             try:
                 while done < n:
-                    w = os.pwrite(self.fd, src[done:], off + done)
+                    w = os.pwrite(self.fd, src[done:n], off + done)
                     if w <= 0 or w % self.align:
                         raise _err(errno.EIO, f"{self.path}: short direct write ({w} of "
                                               f"{n - done} bytes)")
@@ -499,14 +528,20 @@ class _DirectIO:
                 if e.errno != errno.EINVAL or done:
                     raise
                 self.zero_copy_write = False    # memory alignment refused: bounce from now on
-        buf = self._wmv
-        while done < n:
-            k = min(n - done, len(buf))
-            buf[:k] = src[done:done + k]
-            w = os.pwrite(self.fd, buf[:k], off + done)
-            if w <= 0 or w % self.align:
-                raise _err(errno.EIO, f"{self.path}: short direct write ({w} of {k} bytes)")
-            done += w
+        try:
+            w = _iobuf.gather_pwrite(self.fd, off, [data] if single else data, n, self._scratch)
+        except OSError as e:
+            raise _err(e.errno or errno.EIO, f"{self.path}: {e.strerror}") from None
+        if w != n:
+            raise _err(errno.EIO, f"{self.path}: short direct write ({w} of {n} bytes)")
+
+    def pread_view(self, off: int, length: int) -> memoryview:
+        """Read ``length`` bytes at ``off`` into a pooled page-aligned buffer (one DMA, no
+        copy); the view keeps the buffer, which returns to the pool when the view dies."""
+        try:
+            return memoryview(_iobuf.pread_aligned(self.fd, off, length, self.align))
+        except OSError as e:
+            raise _err(e.errno or errno.EIO, f"{self.path}: {e.strerror}") from None
 
     def _read_buf(self) -> memoryview:
         mv = getattr(self._tls, "mv", None)
@@ -576,11 +611,7 @@ class _DirectIO:
 
     def close(self) -> None:
         """Drop the write buffer (the per-thread read buffers go with their threads)."""
-        mv = self._wmv
-        if mv is not None:
-            self._wmv = None
-            mv.release()
-            self._wbuf.close()
+        self._scratch = None
 
 
 # ======================================================================================
@@ -700,10 +731,12 @@ class ImageZonedDevice(ZonedDevice):
     real device (reopening does not close open zones).  An exclusive flock marks the image in
     use.
 
-    ``direct=True`` moves the zone *data* to a second descriptor opened with O_DIRECT and the
-    aligned bounce-buffer path of ``BlockZonedDevice`` (so the block path's I/O can be
-    measured and tested on a regular file); header, zone table and flock stay on the
-    buffered descriptor, and the image format and zone semantics are the same either way.
+    ``direct=True`` moves zone data reads and writes of ``_IMAGE_DIRECT_MIN`` bytes or more to
+    a second descriptor opened with O_DIRECT and the aligned path of ``BlockZonedDevice``
+    (the mount's default: one copy less and the disk busy during a save, not after it; and
+    the block path's I/O measured and tested on a regular file); small ones, header, zone
+    table and flock stay on the buffered descriptor, and the image format and zone
+    semantics are the same either way.
     Needs a file system with O_DIRECT whose alignment the image's block size satisfies.
     """
 
@@ -819,7 +852,7 @@ class ImageZonedDevice(ZonedDevice):
 
     def _io_write(self, zone: int, wp: int, data: Buffer, n: int) -> None:
         off = self._data_off + (zone << self._zshift) + wp
-        if self._dio is not None:
+        if self._dio is not None and n >= _IMAGE_DIRECT_MIN:
             self._dio.pwrite(off, data, n)
             return
         if type(data) is list or type(data) is tuple:
@@ -836,7 +869,7 @@ class ImageZonedDevice(ZonedDevice):
 
     def _io_read(self, zone: int, offset: int, length: int) -> bytes:
         off = self._data_off + (zone << self._zshift) + offset
-        if self._dio is not None:
+        if self._dio is not None and length >= _IMAGE_DIRECT_MIN:
             return self._dio.pread(off, length)
         data = os.pread(self._fd, length, off)
         if len(data) == length:
@@ -850,6 +883,15 @@ class ImageZonedDevice(ZonedDevice):
             parts.append(more)
             got += len(more)
         return b"".join(parts)
+
+    @property
+    def _view_reads(self) -> bool:
+        return self._dio is not None
+
+    def _io_read_view(self, zone: int, offset: int, length: int) -> Buffer:
+        if length < _IMAGE_DIRECT_MIN:      # small: the page cache may hold it (small writes)
+            return self._io_read(zone, offset, length)
+        return self._dio.pread_view(self._data_off + (zone << self._zshift) + offset, length)
 
     def _io_mgmt(self, op: str, zone: int) -> None:
         pass                                # the table entry written by _persist is the command
@@ -1230,6 +1272,11 @@ class BlockZonedDevice(ZonedDevice):
     def _io_read(self, zone: int, offset: int, length: int) -> bytes:
         return self._dio.pread((zone << self._zshift) + offset, length)
 
+    _view_reads = True
+
+    def _io_read_view(self, zone: int, offset: int, length: int) -> Buffer:
+        return self._dio.pread_view((zone << self._zshift) + offset, length)
+
     def _io_mgmt(self, op: str, zone: int) -> None:
         arg = _ZONE_RANGE.pack(zone * self._sectors_per_zone, self._size[zone] // _SECTOR)
         try:
@@ -1264,8 +1311,14 @@ class BlockZonedDevice(ZonedDevice):
 
 # ======================================================================================
 
-def open_device(path: str | os.PathLike[str]) -> ZonedDevice:
-    """Open a zoned target: a block device or an image file (chosen by file type)."""
+def open_device(path: str | os.PathLike[str], direct: bool | None = False) -> ZonedDevice:
+    """Open a zoned target: a block device or an image file (chosen by file type).
+
+    ``direct`` is for an image: True opens its zone data with O_DIRECT, False through the page
+    cache, None tries O_DIRECT and falls back where the host file system has none.  The mount
+    asks for O_DIRECT: through the page cache every byte is copied once more (into the image's
+    pages, which nobody reads back: FUSE caches the file) and reaches the disk only at fsync,
+    after the whole save instead of during it."""
     path = os.fspath(path)
     try:
         st = os.stat(path)
@@ -1276,7 +1329,14 @@ def open_device(path: str | os.PathLike[str]) -> ZonedDevice:
     if stat.S_ISBLK(st.st_mode):
         return BlockZonedDevice(path)
     if stat.S_ISREG(st.st_mode):
-        return ImageZonedDevice(path)
+        if direct is None:                  # O_DIRECT where the host file system allows it
+            try:
+                return ImageZonedDevice(path, direct=True)
+            except DeviceError as e:
+                if "O_DIRECT" not in str(e):
+                    raise
+            return ImageZonedDevice(path)
+        return ImageZonedDevice(path, direct=direct)
     if stat.S_ISDIR(st.st_mode):
         raise DeviceError(f"{path} is a directory, not a zoned device or image")
     raise DeviceError(f"{path} is neither a block device nor a zoned image file")

@@ -76,6 +76,16 @@ class _Workers:
             del task, result
 
 
+def _write_only(flags: int) -> bool:
+    """Open a write-only file with FOPEN_DIRECT_IO: the kernel then hands each write's user
+    pages to the daemon (one copy, into the request) instead of first copying them into page
+    cache pages it never reads back through this descriptor, and skips the per-write
+    ``security.capability`` lookup of the cached path.  A write-only descriptor cannot be
+    mmapped for writing and reads nothing, so only the copy is lost; other descriptors of the
+    file keep the page cache, which the kernel invalidates over direct writes."""
+    return flags & os.O_ACCMODE == os.O_WRONLY
+
+
 def _no_abort(_raise_cancel):
     return trio.lowlevel.Abort.FAILED
 
@@ -264,17 +274,19 @@ class RetainzOperations(pyfuse3.Operations):
     @_fuse_errors
     async def open(self, inode, flags, ctx):
         ino = await _run(self.store.open, inode, truncate=bool(flags & os.O_TRUNC))
-        return pyfuse3.FileInfo(fh=self._new_fh(ino.ino), keep_cache=True)
+        return pyfuse3.FileInfo(fh=self._new_fh(ino.ino), keep_cache=True,
+                                direct_io=_write_only(flags))
 
     @_fuse_errors
     async def create(self, parent_inode, name, mode, flags, ctx):
         inode = self.store.create(parent_inode, name, mode & ~ctx.umask, ctx.uid, ctx.gid)
         self.store.open(inode.ino)
-        return pyfuse3.FileInfo(fh=self._new_fh(inode.ino)), self._ref(inode)
+        return (pyfuse3.FileInfo(fh=self._new_fh(inode.ino), direct_io=_write_only(flags)),
+                self._ref(inode))
 
     @_fuse_errors
     async def read(self, fh, off, size):
-        return await _run(self.store.read, self._ino(fh), off, size)
+        return await _run(self.store.read, self._ino(fh), off, size, True)   # any buffer
 
     @_fuse_errors
     async def write(self, fh, off, buf):

@@ -94,6 +94,11 @@ def parse_options(opts: list[str]) -> tuple[dict, list[str]]:
                     raise ValueError(f"mount option metrics={val!r}: expected PORT or HOST:PORT "
                                      f"(default host 127.0.0.1)") from None
                 ours["metrics"] = val
+            elif key == "image_io":
+                if val not in ("direct", "buffered", "auto"):
+                    raise ValueError(f"mount option image_io={val!r}: expected direct, buffered "
+                                     f"or auto")
+                ours["image_io"] = val
             elif key == "readahead_kb":
                 ours["readahead_kb"] = _number(key, val, int, 0, hi=1 << 20)
             elif key == "sync_interval":
@@ -112,7 +117,7 @@ def parse_options(opts: list[str]) -> tuple[dict, list[str]]:
             else:
                 raise ValueError(f"unknown mount option {o!r}")
             if key in ("allocator", "lambda", "lam", "hint_grid", "gc_reserve", "sync_interval",
-                       "flush_bytes") and not eq:
+                       "flush_bytes", "image_io") and not eq:
                 raise ValueError(f"mount option {key} needs a value ({key}=...)")
     return ours, fuse
 
@@ -123,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("mountpoint")
     p.add_argument("-o", dest="options", action="append", default=[],
                    help="allocator=NAME,lambda=X,hint_grid=G,gc_reserve=N,common_admission,"
-                        "log=PATH,debug,allow_other,sync_interval=S")
+                        "log=PATH,debug,allow_other,sync_interval=S,image_io=auto|direct|buffered")
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     # flags mount(8) passes to helpers
     p.add_argument("-n", action="store_true", help=argparse.SUPPRESS)
@@ -188,7 +193,8 @@ def _open_store(target: str, ours: dict):
     deadline = time.monotonic() + 10
     while True:
         try:
-            dev = open_device(target)
+            dev = open_device(target, {"direct": True, "buffered": False}.get(
+                ours.get("image_io", "auto")))
             break
         except DeviceError as e:
             if "in use" in str(e) and time.monotonic() < deadline:
@@ -331,8 +337,9 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
         # (128 KiB, libfuse's default) when it processes the reply, undoing an earlier write
         ra = _set_readahead(mnt, ours.get("readahead_kb", 4096))
         store.tuning["read_ahead_kb"] = ra
-        log.info("mounted %s on %s (allocator=%s, read_ahead_kb=%s)", target, mnt,
-                 store.opts.allocator, ra)
+        store.tuning["image_io"] = ("direct" if getattr(dev, "direct", True) else "buffered")
+        log.info("mounted %s on %s (allocator=%s, read_ahead_kb=%s, image_io=%s)", target, mnt,
+                 store.opts.allocator, ra, store.tuning["image_io"])
         notify("OK")
 
     async def main() -> None:

@@ -1,0 +1,344 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""GIL-free byte moving for the data path: aligned pooled buffers, gather writes, CRC32C.
+
+Why it exists: pyfuse3 answers every request on one thread that holds the GIL, so any time a
+worker or flusher thread spends *with* the GIL (a Python loop over 16 KiB checksum pieces, a
+``b"".join`` before a write, a copy into a bounce buffer) is time the FUSE loop waits.  Here
+those loops run in C with the GIL released:
+
+* ``AlignedBuf``: page-aligned memory for O_DIRECT reads, handed to pyfuse3 as the reply
+  buffer itself (buffer protocol), and back to a small pool when the last reference dies, so
+  a cold read is one DMA into it and one copy into the reader (what ext4 does);
+* ``pread_aligned``: the O_DIRECT read into such a buffer;
+* ``gather_pwrite``: the scatter list of a flush copied into an aligned scratch buffer and
+  written, in one call, without a join;
+* ``crc32c_pieces``: the CRC32C of every checksum piece of a scatter list (hardware CRC32
+  instruction where the CPU has it, Castagnoli table otherwise; the property tests compare
+  both with the ``crc32c`` package).
+"""
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyObject_GetBuffer, PyBuffer_Release
+from libc.errno cimport errno, EINTR
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport free
+from libc.string cimport memcpy
+from posix.stdlib cimport posix_memalign
+from posix.unistd cimport pread, pwrite
+from cpython.array cimport array, clone
+import errno as _errno
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <string.h>
+    static uint32_t rz_crc_table[256];
+    static int rz_crc_hw = -1;
+    static void rz_crc_init(void) {
+        for (uint32_t i = 0; i < 256; i++) {
+            uint32_t c = i;
+            for (int k = 0; k < 8; k++) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+            rz_crc_table[i] = c;
+        }
+    #if defined(__x86_64__) && defined(__GNUC__)
+        __builtin_cpu_init();
+        rz_crc_hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+    #else
+        rz_crc_hw = 0;
+    #endif
+    }
+    #if defined(__x86_64__) && defined(__GNUC__)
+    __attribute__((target("sse4.2")))
+    static uint32_t rz_crc_hw_update(uint32_t crc, const uint8_t *p, size_t n) {
+        uint64_t c = crc;
+        while (n && ((uintptr_t)p & 7)) { c = __builtin_ia32_crc32qi((uint32_t)c, *p++); n--; }
+        while (n >= 8) { uint64_t v; memcpy(&v, p, 8); c = __builtin_ia32_crc32di(c, v); p += 8; n -= 8; }
+        while (n) { c = __builtin_ia32_crc32qi((uint32_t)c, *p++); n--; }
+        return (uint32_t)c;
+    }
+    /* three independent pieces at once: the CRC32 instruction's latency is three times its
+       throughput, so three dependency chains run at the throughput (pieces start at 0) */
+    __attribute__((target("sse4.2")))
+    static void rz_crc_hw_x3(const uint8_t *p, size_t piece, uint32_t *out) {
+        uint64_t a = 0xffffffffu, b = 0xffffffffu, c = 0xffffffffu;
+        const uint8_t *q = p + piece, *r = p + 2 * piece;
+        size_t n = piece;
+        while (n >= 8) {
+            uint64_t x, y, z;
+            memcpy(&x, p, 8); memcpy(&y, q, 8); memcpy(&z, r, 8);
+            a = __builtin_ia32_crc32di(a, x); b = __builtin_ia32_crc32di(b, y);
+            c = __builtin_ia32_crc32di(c, z);
+            p += 8; q += 8; r += 8; n -= 8;
+        }
+        while (n) {
+            a = __builtin_ia32_crc32qi((uint32_t)a, *p++); b = __builtin_ia32_crc32qi((uint32_t)b, *q++);
+            c = __builtin_ia32_crc32qi((uint32_t)c, *r++); n--;
+        }
+        out[0] = ~(uint32_t)a; out[1] = ~(uint32_t)b; out[2] = ~(uint32_t)c;
+    }
+    #define RZ_HAVE_X3 1
+    #else
+    static uint32_t rz_crc_hw_update(uint32_t crc, const uint8_t *p, size_t n) { return crc; }
+    static void rz_crc_hw_x3(const uint8_t *p, size_t piece, uint32_t *out) { }
+    #define RZ_HAVE_X3 0
+    #endif
+    static uint32_t rz_crc_sw_update(uint32_t c, const uint8_t *p, size_t n) {
+        while (n--) c = rz_crc_table[(c ^ *p++) & 0xff] ^ (c >> 8);
+        return c;
+    }
+    /* CRC32C (Castagnoli, reflected, init/xorout 0xffffffff) continued from `crc` */
+    static uint32_t rz_crc32c(uint32_t crc, const uint8_t *p, size_t n, int hw) {
+        crc = ~crc;
+        crc = hw ? rz_crc_hw_update(crc, p, n) : rz_crc_sw_update(crc, p, n);
+        return ~crc;
+    }
+    """
+    void rz_crc_init() nogil
+    int rz_crc_hw
+    uint32_t rz_crc32c(uint32_t crc, const uint8_t *p, size_t n, int hw) nogil
+    void rz_crc_hw_x3(const uint8_t *p, size_t piece, uint32_t *out) nogil
+
+rz_crc_init()
+
+PAGE = 4096
+#: pooled sizes are powers of two from 64 KiB to 16 MiB; at most POOL_KEEP of each are kept
+cdef int _MIN_SHIFT = 16
+cdef int _MAX_SHIFT = 24
+cdef int POOL_KEEP = 16
+cdef void* _pool[9][16]
+cdef int _pool_n[9]
+cdef char *_FMT_B = "B"
+
+
+cdef int _size_class(size_t n) noexcept nogil:
+    cdef int s = _MIN_SHIFT
+    while s <= _MAX_SHIFT and (<size_t>1 << s) < n:
+        s += 1
+    return s
+
+
+cdef class AlignedBuf:
+    """Page-aligned memory; the buffer protocol exposes ``[start, start + length)``.
+
+    The memory goes back to the pool when the object dies (pyfuse3 drops its reply buffer
+    after ``fuse_reply_buf``), so a stream of 1 MiB reads reuses faulted-in pages."""
+    cdef char *mem
+    cdef size_t cap
+    cdef int cls
+    cdef Py_ssize_t start, length
+    cdef Py_ssize_t shape[1]
+    cdef int exports
+
+    def __cinit__(self, size_t n):
+        cdef void *p = NULL
+        self.cls = _size_class(n)
+        if self.cls <= _MAX_SHIFT:
+            self.cap = <size_t>1 << self.cls
+            i = self.cls - _MIN_SHIFT
+            if _pool_n[i]:
+                _pool_n[i] -= 1
+                p = _pool[i][_pool_n[i]]
+        else:
+            self.cap = (n + PAGE - 1) // PAGE * PAGE
+        if p == NULL and posix_memalign(&p, PAGE, self.cap) != 0:
+            raise MemoryError()
+        self.mem = <char *>p
+        self.start = 0
+        self.length = n
+
+    def __dealloc__(self):
+        cdef int i
+        if self.mem == NULL:
+            return
+        if self.cls <= _MAX_SHIFT:
+            i = self.cls - _MIN_SHIFT
+            if _pool_n[i] < POOL_KEEP:
+                _pool[i][_pool_n[i]] = self.mem
+                _pool_n[i] += 1
+                self.mem = NULL
+                return
+        free(self.mem)
+        self.mem = NULL
+
+    def __len__(self):
+        return self.length
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        self.shape[0] = self.length
+        view.buf = self.mem + self.start
+        view.obj = self
+        view.len = self.length
+        view.readonly = 0
+        view.itemsize = 1
+        view.format = _FMT_B if (flags & 4) else NULL    # PyBUF_FORMAT
+        view.ndim = 1
+        view.shape = self.shape
+        view.strides = NULL
+        view.suboffsets = NULL
+        view.internal = NULL
+        self.exports += 1
+
+    def __releasebuffer__(self, Py_buffer *view):
+        self.exports -= 1
+
+
+def pread_aligned(int fd, long long off, Py_ssize_t length, Py_ssize_t align):
+    """O_DIRECT read of ``length`` bytes at ``off`` (any alignment) into a fresh AlignedBuf
+    covering the aligned span; the buffer shows exactly the requested bytes.  OSError with
+    the read's errno; EIO for a short read (past the end of the file)."""
+    cdef long long a = off - off % align
+    cdef long long e = (off + length + align - 1) // align * align
+    cdef AlignedBuf b = AlignedBuf(<size_t>(e - a))
+    cdef Py_ssize_t got = 0, want = e - a
+    cdef ssize_t r = 0
+    cdef int err = 0
+    with nogil:
+        while got < want:
+            r = pread(fd, b.mem + got, want - got, a + got)
+            if r < 0:
+                if errno == EINTR:
+                    continue
+                err = errno
+                break
+            if r == 0:
+                break
+            got += r
+    if err:
+        raise OSError(err, f"direct read at {a + got}: {_errno.errorcode.get(err, err)}")
+    if got < (off - a) + length:
+        raise OSError(_errno.EIO, f"short direct read at {a + got}")
+    b.start = off - a
+    b.length = length
+    return b
+
+
+def gather_pwrite(int fd, long long off, parts, Py_ssize_t n, AlignedBuf scratch):
+    """Write the first ``n`` bytes of the buffers ``parts`` at ``off`` through ``scratch``
+    (aligned; ``off`` and every chunk's length a multiple of the caller's alignment), copying
+    each part once and holding no GIL for copies or writes.  Returns bytes written; raises
+    OSError with the write's errno."""
+    cdef Py_buffer pb
+    cdef Py_ssize_t cap = <Py_ssize_t>scratch.cap
+    cdef Py_ssize_t fill = 0, done = 0, take, pos, plen, w
+    cdef ssize_t r
+    cdef int err = 0
+    cdef char *src
+    for p in parts:
+        if done + fill >= n:
+            break
+        PyObject_GetBuffer(p, &pb, PyBUF_SIMPLE)
+        try:
+            src = <char *>pb.buf
+            plen = min(pb.len, n - done - fill)
+            pos = 0
+            with nogil:
+                while pos < plen:
+                    take = min(plen - pos, cap - fill)
+                    memcpy(scratch.mem + fill, src + pos, take)
+                    fill += take
+                    pos += take
+                    if fill == cap:
+                        w = 0
+                        while w < fill:
+                            r = pwrite(fd, scratch.mem + w, fill - w, off + done + w)
+                            if r < 0 and errno == EINTR:
+                                continue
+                            if r <= 0:
+                                err = errno if r < 0 else _errno_EIO()
+                                break
+                            w += r
+                        if err:
+                            break
+                        done += fill
+                        fill = 0
+        finally:
+            PyBuffer_Release(&pb)
+        if err:
+            raise OSError(err, f"direct write at {off + done}")
+    if fill:
+        with nogil:
+            w = 0
+            while w < fill:
+                r = pwrite(fd, scratch.mem + w, fill - w, off + done + w)
+                if r < 0 and errno == EINTR:
+                    continue
+                if r <= 0:
+                    err = errno if r < 0 else _errno_EIO()
+                    break
+                w += r
+        if err:
+            raise OSError(err, f"direct write at {off + done}")
+        done += fill
+    return done
+
+
+cdef int _errno_EIO() noexcept nogil:
+    return 5
+
+
+def crc32c(data, unsigned int value=0):
+    """CRC32C of a buffer, continued from ``value`` (same results as ``crc32c.crc32c``)."""
+    cdef Py_buffer pb
+    cdef uint32_t c = value
+    PyObject_GetBuffer(data, &pb, PyBUF_SIMPLE)
+    try:
+        with nogil:
+            c = rz_crc32c(c, <const uint8_t *>pb.buf, pb.len, rz_crc_hw)
+    finally:
+        PyBuffer_Release(&pb)
+    return c
+
+
+def crc32c_pieces(parts, Py_ssize_t length, Py_ssize_t piece):
+    """array('I') of the CRC32C of each ``piece``-byte piece (the last may be short) of the
+    first ``length`` bytes of the buffers ``parts``."""
+    cdef array out = clone(array("I"), (length + piece - 1) // piece, False)
+    cdef uint32_t *o = out.data.as_uints
+    cdef Py_buffer pb
+    cdef Py_ssize_t k = 0, fill = 0, done = 0, pos, plen, take
+    cdef uint32_t crc = 0
+    cdef int hw = rz_crc_hw
+    for p in parts:
+        if done >= length:
+            break
+        PyObject_GetBuffer(p, &pb, PyBUF_SIMPLE)
+        try:
+            plen = min(pb.len, length - done)
+            pos = 0
+            with nogil:
+                while pos < plen:
+                    if hw and fill == 0 and plen - pos >= 3 * piece:
+                        rz_crc_hw_x3(<const uint8_t *>pb.buf + pos, piece, o + k)
+                        k += 3
+                        pos += 3 * piece
+                        continue
+                    take = min(plen - pos, piece - fill)
+                    crc = rz_crc32c(crc, <const uint8_t *>pb.buf + pos, take, hw)
+                    fill += take
+                    pos += take
+                    if fill == piece:
+                        o[k] = crc
+                        k += 1
+                        crc = 0
+                        fill = 0
+            done += plen
+        finally:
+            PyBuffer_Release(&pb)
+    if fill:
+        o[k] = crc
+        k += 1
+    if done != length:
+        raise ValueError(f"crc32c_pieces: {done} bytes in the parts, {length} expected")
+    return out
+
+
+_HW = rz_crc_hw == 1
+
+
+def hardware_crc() -> bool:
+    """True when the CPU's CRC32 instruction is in use."""
+    return rz_crc_hw == 1
+
+
+def set_hardware_crc(bint on) -> None:
+    """For tests: use the table implementation (False) or the instruction where present."""
+    global rz_crc_hw
+    rz_crc_hw = 1 if (on and _HW) else 0

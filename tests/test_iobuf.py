@@ -1,0 +1,207 @@
+"""The GIL-free data path pieces (``retainzfs/_iobuf.pyx``) and what the mount does with them
+(issue 10): O_DIRECT images by default, write-only descriptors with FOPEN_DIRECT_IO, reads
+answered from the device's own aligned buffer.
+
+Property tests run the codecs over sizes around each limit: the 16 KiB checksum piece, the
+three-piece interleave of the hardware CRC, 4 KiB blocks, the scratch buffer of a gather
+write, the pooled size classes."""
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+
+import pytest
+from crc32c import crc32c as ref_crc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from retainzfs import _iobuf as I
+from retainzfs import device as D
+from retainzfs.csums import CSUM_PIECE, ZoneChecksums, crcs_of
+from retainzfs.records import CSUM_PIECE as PIECE
+
+from conftest import MOUNT
+
+KiB, MiB = 1 << 10, 1 << 20
+P = PIECE
+_sizes = st.one_of(st.integers(0, 3 * P + 17),
+                   st.sampled_from([P - 1, P, P + 1, 3 * P - 1, 3 * P, 3 * P + 1, 6 * P + 5,
+                                    4096, 4095, 4097, MiB - 1, MiB, MiB + 1]))
+
+
+def _ref_pieces(data: bytes, piece: int) -> list[int]:
+    return [ref_crc(data[i:i + piece]) for i in range(0, len(data), piece)]
+
+
+def _split(data: bytes, cuts: list[int]) -> list:
+    cuts = sorted({min(c, len(data)) for c in cuts})
+    out, pos = [], 0
+    for c in cuts + [len(data)]:
+        out.append(data[pos:c])
+        pos = c
+    return [memoryview(p) if i % 2 else p for i, p in enumerate(out)]   # mixed buffer types
+
+
+@settings(max_examples=120, deadline=None)
+@given(size=_sizes, cuts=st.lists(st.integers(0, 7 * P), max_size=4), seed=st.integers(0, 255),
+       hw=st.booleans())
+def test_crc32c_pieces_equal_the_crc32c_package(size, cuts, seed, hw):
+    data = bytes((seed + i * 131) & 0xFF for i in range(size)) if size < 4096 else os.urandom(size)
+    parts = _split(data, cuts)
+    I.set_hardware_crc(hw)
+    try:
+        assert list(I.crc32c_pieces(parts, size, P)) == _ref_pieces(data, P)
+        assert list(crcs_of(parts, size)) == _ref_pieces(data, CSUM_PIECE)
+        assert I.crc32c(data) == ref_crc(data)
+        k = size // 3
+        assert I.crc32c(data[k:], I.crc32c(data[:k])) == ref_crc(data)
+    finally:
+        I.set_hardware_crc(True)
+
+
+def test_crc32c_pieces_refuses_short_parts():
+    with pytest.raises(ValueError):
+        I.crc32c_pieces([b"x" * 10], 11, P)
+    with pytest.raises(ValueError):
+        crcs_of([b"x" * 10], 11)
+
+
+def test_bad_pieces_names_exactly_the_flipped_pieces():
+    data = bytearray(os.urandom(7 * P + 100))
+    zs = ZoneChecksums()
+    zs.add(3, 0, len(data), crcs_of([bytes(data)], len(data)))
+    for k in (0, 2, 3, 7):
+        data[k * P + 5] ^= 0x10
+    (run, lo, hi), = zs.span(3, 0, len(data))
+    assert ZoneChecksums.bad_pieces(run, lo, hi, bytes(data), 0) == [k * P for k in (0, 2, 3, 7)]
+    (run, lo, hi), = zs.span(3, 4 * P, 2 * P)          # a middle range: no bad piece in it
+    a = ZoneChecksums.piece_range(run, lo, hi)[0]
+    assert ZoneChecksums.bad_pieces(run, lo, hi, memoryview(data)[a:], a) == []
+
+
+def _direct_fd(tmp_path, size):
+    p = tmp_path / "dio"
+    fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+    os.ftruncate(fd, size)
+    return fd
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(nblocks=st.integers(1, 300), cuts=st.lists(st.integers(0, 300 * 4096), max_size=5),
+       scratch=st.sampled_from([64 * KiB, 128 * KiB, MiB]), at=st.integers(0, 16),
+       rd=st.tuples(st.integers(0, 300 * 4096), st.integers(1, 300 * 4096)))
+def test_gather_write_and_aligned_read_round_trip(tmp_path, nblocks, cuts, scratch, at, rd):
+    n = nblocks * 4096
+    data = os.urandom(n)
+    fd = _direct_fd(tmp_path, 4 * MiB)
+    try:
+        off = at * 4096
+        assert I.gather_pwrite(fd, off, _split(data, cuts), n, I.AlignedBuf(scratch)) == n
+        with open(tmp_path / "dio", "rb") as f:               # the page cache agrees
+            f.seek(off)
+            assert f.read(n) == data
+        lo = min(rd[0], n - 1)
+        ln = min(rd[1], n - lo)
+        v = memoryview(I.pread_aligned(fd, off + lo, ln, 4096))   # any alignment
+        assert v.nbytes == ln and bytes(v) == data[lo:lo + ln]
+    finally:
+        os.close(fd)
+
+
+def test_aligned_buffers_outlive_their_reader_and_are_reused(tmp_path):
+    fd = _direct_fd(tmp_path, 4 * MiB)
+    try:
+        a, b = os.urandom(MiB), os.urandom(MiB)
+        with open(tmp_path / "dio", "r+b") as f:
+            f.write(a + b)
+        va = memoryview(I.pread_aligned(fd, 0, MiB, 4096))     # the view holds the buffer
+        vb = memoryview(I.pread_aligned(fd, MiB, MiB, 4096))   # a second, distinct buffer
+        assert bytes(va) == a and bytes(vb) == b
+        del va                                                 # back to the pool...
+        vc = memoryview(I.pread_aligned(fd, 0, MiB, 4096))     # ...reused, not shared with vb
+        assert bytes(vb) == b and bytes(vc) == a
+        with pytest.raises(OSError) as e:                      # past the end: EIO, not zeros
+            I.pread_aligned(fd, 4 * MiB, 4096, 4096)
+        assert e.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as e:
+        I.pread_aligned(fd, 0, 4096, 4096)                     # closed descriptor
+    assert e.value.errno == errno.EBADF
+
+
+def test_direct_image_routes_small_io_through_the_page_cache(tmp_path):
+    """Large zone writes and reads take O_DIRECT; small ones (a small file's padded block) the
+    page cache; both read back the same bytes through either path, before and after flush."""
+    img = tmp_path / "i.zns"
+    D.create_image(img, 32 * MiB, 4 * MiB).close()
+    dev = D.ImageZonedDevice(img, direct=True)
+    try:
+        assert dev.direct
+        small, big = os.urandom(4096), os.urandom(D._IMAGE_DIRECT_MIN + 8192)
+        dev.write(0, 0, small)
+        dev.write(0, 4096, [big[:1000], memoryview(big)[1000:]])
+        for z, o, want in ((0, 0, small), (0, 4096, big)):
+            assert dev.read(z, o, len(want)) == want
+            assert bytes(dev.read_view(z, o, len(want))) == want
+        v = dev.read_view(0, 4096 + 100, len(big) - 100)      # unaligned start: still exact
+        assert isinstance(v, memoryview) and bytes(v) == big[100:]
+        dev.flush()
+    finally:
+        dev.close()
+    dev = D.ImageZonedDevice(img)                              # buffered reopen sees it all
+    try:
+        assert dev.read(0, 0, 4096 + len(big)) == small + big
+    finally:
+        dev.close()
+
+
+def test_mount_uses_o_direct_and_says_so(make_image, mount_image, tmp_path):
+    img = make_image()
+    m = mount_image(img)
+    assert m.status()["tuning"]["image_io"] == "direct"
+    data = os.urandom(9 * MiB + 123)
+    (m / "f").write_bytes(data)
+    m.remount()
+    assert (m / "f").read_bytes() == data
+    m.umount()
+    b = mount_image(img, "image_io=buffered", name="mb")
+    assert b.status()["tuning"]["image_io"] == "buffered"
+    assert (b / "f").read_bytes() == data
+    b.umount()
+    p = subprocess.run([MOUNT, str(img), str(tmp_path / "mb"), "-o", "image_io=fast"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    lines = [ln for ln in (p.stderr + p.stdout).strip().splitlines() if ln]
+    assert len(lines) == 1 and "image_io='fast'" in lines[0], lines
+
+
+def test_write_only_descriptor_and_cached_reader_agree(mounted):
+    """A write-only descriptor is opened with FOPEN_DIRECT_IO (no page-cache copy, no
+    security.capability lookup per write); a reader that cached the old bytes must see the
+    new ones, and so must mmap; the size follows every write."""
+    import mmap
+    p = mounted / "f"
+    old = os.urandom(3 * MiB)
+    p.write_bytes(old)
+    r = os.open(p, os.O_RDONLY)
+    try:
+        assert os.pread(r, len(old), 0) == old                # now in the page cache
+        new = os.urandom(MiB + 7)
+        w = os.open(p, os.O_WRONLY)
+        try:
+            assert os.pwrite(w, new, 4096) == len(new)       # unaligned user buffer
+            assert os.fstat(w).st_size == len(old)
+            assert os.pwrite(w, b"tail", len(old)) == 4
+            assert os.fstat(r).st_size == len(old) + 4
+        finally:
+            os.close(w)
+        want = old[:4096] + new + old[4096 + len(new):] + b"tail"
+        assert os.pread(r, len(want) + 10, 0) == want
+        with mmap.mmap(r, 0, prot=mmap.PROT_READ) as mm:
+            assert mm[:] == want
+    finally:
+        os.close(r)
+    mounted.remount()
+    assert p.read_bytes() == want
