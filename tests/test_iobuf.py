@@ -205,3 +205,30 @@ def test_write_only_descriptor_and_cached_reader_agree(mounted):
         os.close(r)
     mounted.remount()
     assert p.read_bytes() == want
+
+
+def test_unprivileged_write_to_a_setuid_file_clears_the_bit(make_image, mount_image):
+    """Regression (pjdfstest chmod/12.t, found when write-only descriptors went direct): the
+    kernel's cached write path clears S_ISUID/S_ISGID on a write by a process without
+    CAP_FSETID; a FOPEN_DIRECT_IO descriptor skips that, so set-ID files keep the cached
+    path.  A plain file written the same way keeps its mode."""
+    m = mount_image(make_image(), "allow_other")
+    for name, mode, want in (("suid", 0o4777, 0o777), ("sgid", 0o2777, 0o777),
+                             ("plain", 0o777, 0o777)):
+        p = m / name
+        p.write_bytes(b"")
+        os.chmod(p, mode)
+        pid = os.fork()
+        if pid == 0:     # child: opens (the test's directories are root-only), then writes as nobody
+            try:
+                fd = os.open(p, os.O_WRONLY)
+                os.setgid(65534)
+                os.setuid(65534)
+                os.write(fd, b"x")
+                os.close(fd)
+                os._exit(0)
+            except BaseException:
+                os._exit(1)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert os.stat(p).st_mode & 0o7777 == want, (name, oct(os.stat(p).st_mode))
+        assert p.read_bytes() == b"x"
