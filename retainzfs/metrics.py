@@ -50,6 +50,8 @@ class StoreCollector:
                 ("retainzfs_zone_resets_total", "zone_resets", "Zone resets since mount"),
                 ("retainzfs_gc_copied_bytes_total", "gc_copied_bytes", "Bytes copied by GC"),
                 ("retainzfs_enospc_total", "enospc", "Writes refused for lack of space"),
+                ("retainzfs_gc_aborted_total", "gc_aborted",
+                 "GC passes that left their victim: no room for a copy, or a bad checksum"),
                 ("retainzfs_checksum_errors_total", "checksum_errors",
                  "Data reads refused: checksum mismatch")):
             c = CounterMetricFamily(name.removesuffix("_total"), doc)

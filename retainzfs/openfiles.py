@@ -64,12 +64,19 @@ class OpenFiles:
                 return True
             if not self.clean_locked(inode):
                 return False
-            inode.opens = max(0, inode.opens - 1)
-            if inode.opens == 0:
-                s.alloc.release_writer(ino)
-                if inode.nlink == 0:
-                    s.ns.free_inode_locked(inode)
+            self.release_locked(inode)
             return True
+
+    def release_locked(self, inode) -> None:
+        """One close less: at the last one the allocator forgets the writer, and a file
+        unlinked meanwhile is freed (Store.lock held; the tail of every RELEASE)."""
+        assert self.s.lock._is_owned(), "release_locked without Store.lock"
+        s = self.s
+        inode.opens = max(0, inode.opens - 1)
+        if inode.opens == 0:
+            s.alloc.release_writer(inode.ino)
+            if inode.nlink == 0:
+                s.ns.free_inode_locked(inode)
 
     def buffer_write(self, ino: int, off: int, data: bytes) -> int | None:
         """Append to the file's write buffer if that needs no device I/O; else None.

@@ -15,6 +15,7 @@ path's write loop (``DataPath.write_iolocked`` with ``copy_from``).
 """
 from __future__ import annotations
 
+import errno
 import logging
 
 from . import hints as H
@@ -119,7 +120,13 @@ class Reclaim:
                     s.data.write_iolocked(ino, off, Chunks([data]),
                                           H.Hint(ih.birth, hint, ih.stream, "gc"),
                                           copy_from=(victim, zoff))
-                except FsError:
+                except FsError as e:
+                    # no room for the copy (the reserve is full too) or a checksum error: the
+                    # victim stays as it is, counted and logged, never a user's ENOSPC
+                    with s.lock:
+                        s.stats["gc_aborted"] += 1
+                    log.warning("GC of zone %d stopped at inode %d offset %d: %s", victim, ino,
+                                off, errno.errorcode.get(e.errno, e.errno))
                     ok = False
                     break
             if ok and self.reset_zones_iolocked([victim]):

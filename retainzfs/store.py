@@ -158,7 +158,7 @@ class Store:
         self.journal.resume(info)
         self.journal.ensure_open = self._ensure_open_slot
         self.stats = {"payload_bytes": 0, "pad_bytes": 0, "gc_copied_bytes": 0, "zone_resets": 0,
-                      "zone_finishes": 0, "commits": 0, "enospc": 0, "gc_runs": 0,
+                      "zone_finishes": 0, "commits": 0, "enospc": 0, "gc_runs": 0, "gc_aborted": 0,
                       "checksum_errors": 0, "stale_extents": 0}
         self.csums = ZoneChecksums()
         self.zgen = [0] * dev.nr_zones          # reset generation of every zone
@@ -371,11 +371,7 @@ class Store:
             with self.lock:
                 inode = self.inodes.get(ino)
                 if inode is not None:
-                    inode.opens = max(0, inode.opens - 1)
-                    if inode.opens == 0:
-                        self.alloc.release_writer(ino)
-                    if inode.nlink == 0 and inode.opens == 0:
-                        self.ns.free_inode_locked(inode)
+                    self.files.release_locked(inode)
             self.reclaim.reset_empty_zones()
 
     def sync(self) -> None:

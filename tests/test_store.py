@@ -179,6 +179,36 @@ def test_gc_relocates_and_keeps_data(tmp_path):
     dev.close()
 
 
+def test_gc_that_cannot_copy_leaves_its_victim_counted(tmp_path, caplog):
+    """GC copies are placed apart from user writes (reserve allowed, no GC of their own, no
+    save accounting): a copy with no room stops the pass without a user-visible ENOSPC, but
+    is not silent either: ``gc_aborted`` in status and a log line; the data stay intact."""
+    path, dev, s = fresh(tmp_path, size=16 * MiB, zone=1 * MiB)
+    rng = random.Random(4)
+    files = {}
+    for i in range(40):
+        d = rng.randbytes(200_000)
+        files[i] = (put(s, 1, f"f{i}".encode(), d), d)
+    for i in range(0, 40, 2):
+        s.unlink(1, f"f{i}".encode())
+        del files[i]
+
+    def no_room(*a, **kw):
+        raise FsError(errno.ENOSPC)
+    s.data.place_copy_iolocked = no_room
+    with s.io_lock:
+        assert s.reclaim.gc_once_iolocked() is False
+    st = s.status()
+    assert st["gc_aborted"] >= 1 and st["gc_copied_bytes"] == 0 and st["enospc"] == 0
+    assert "GC of zone" in caplog.text and "ENOSPC" in caplog.text
+    del s.data.place_copy_iolocked
+    for ino, d in files.values():
+        assert read_all(s, ino) == d
+    assert s.check() == []
+    s.close()
+    dev.close()
+
+
 def _frames(dev, sb):
     """[(seq, pair, offset)] of every metadata frame, oldest first."""
     out = []
