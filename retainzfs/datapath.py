@@ -20,6 +20,7 @@ from ._alloc import NoSpace
 from .csums import ZoneChecksums, crcs_of
 from .device import ZoneCond
 from .errors import FsError
+from .readahead import ReadAhead
 from .writebuf import Chunks
 
 Buffer = bytes | bytearray | memoryview
@@ -34,29 +35,41 @@ class DataPath:
         self.saves: dict[tuple[int, int], list[int]] = {}
         self.save_key: dict[int, tuple[int, int]] = {}    # stream -> its current generation
         self.save_est: dict[int, int] = {}               # stream -> previous generation's size
+        self.ra = ReadAhead(self)
 
     # ------------------------------------------------------------------ reads
     def read(self, ino: int, off: int, size: int, view: bool = False) -> Buffer:
         """Bytes of a file; with ``view`` any buffer (the FUSE reply: on the O_DIRECT path the
         device's own read buffer, no copy), else ``bytes``."""
         s = self.s
-        with s.lock:
-            inode = s.ns.get_locked(ino)
-            if off >= inode.size or size <= 0:
-                return b""
-            size = min(size, inode.size - off)
-            segs = inode.extents.lookup(off, size)
-            overlay = None
-            if inode.wbuf:
-                bo, bl = inode.wbuf.off, len(inode.wbuf)
-                lo, hi = max(bo, off), min(bo + bl, off + size)
-                if hi > lo:
-                    overlay = (lo - off, inode.wbuf.slice(lo, hi))
-            zones = {seg[1] for seg in segs}
-            rd = s._zone_readers
-            with s._readers_cv:           # a reset of these zones waits for this read
-                for z in zones:
-                    rd[z] = rd.get(z, 0) + 1
+        ra = self.ra
+        for attempt in (0, 1):
+            with s.lock:
+                inode = s.ns.get_locked(ino)
+                if off >= inode.size or size <= 0:
+                    return b""
+                size = min(size, inode.size - off)
+                segs = inode.extents.lookup(off, size)
+                overlay = None
+                if inode.has_buffered():
+                    bo, bl = inode.wbuf.off, len(inode.wbuf)
+                    lo, hi = max(bo, off), min(bo + bl, off + size)
+                    if hi > lo:
+                        overlay = (lo - off, inode.wbuf.slice(lo, hi))
+                else:
+                    hit = ra.hit_locked(ino, off, size, segs)
+                    if hit is not None:
+                        return hit if view else bytes(hit)
+                if attempt == 0:
+                    fut = ra.pending_for(ino, off, size)
+                    if fut is None:
+                        zones = self.enter_zones({seg[1] for seg in segs})
+                        break
+                else:
+                    zones = self.enter_zones({seg[1] for seg in segs})
+                    break
+            fut.result()                  # a window being read covers it: wait, look again
+        ra.note_miss(ino, off, size)
         try:
             if len(segs) == 1 and segs[0][0] == 0 and segs[0][3] == size and overlay is None:
                 data = self.verified_read(segs[0][1], segs[0][2], size, ino, off)
@@ -65,17 +78,43 @@ class DataPath:
             for dst, zone, zoff, length in segs:
                 out[dst:dst + length] = self.verified_read(zone, zoff, length, ino, off + dst)
         finally:
-            with s._readers_cv:
-                for z in zones:
-                    n = rd[z] - 1
-                    if n:
-                        rd[z] = n
-                    else:
-                        del rd[z]
-                s._readers_cv.notify_all()
+            self.leave_zones(zones)
         if overlay is not None:
             out[overlay[0]:overlay[0] + len(overlay[1])] = overlay[1]
         return out if view else bytes(out)
+
+    def read_cached(self, ino: int, off: int, size: int) -> Buffer | None:
+        """A read answered from the readahead windows (CPU only, for the event loop), or None:
+        then ``read`` in a worker thread."""
+        s = self.s
+        with s.lock:
+            inode = s.inodes.get(ino)
+            if inode is None or off >= inode.size or size <= 0 or inode.has_buffered():
+                return None
+            size = min(size, inode.size - off)
+            return self.ra.hit_locked(ino, off, size, inode.extents.lookup(off, size))
+
+    def enter_zones(self, zones) -> list[int]:
+        """Count a read of ``zones`` in flight: a reset of one of them waits for it."""
+        s = self.s
+        zones = list(zones)
+        rd = s._zone_readers
+        with s._readers_cv:
+            for z in zones:
+                rd[z] = rd.get(z, 0) + 1
+        return zones
+
+    def leave_zones(self, zones: list[int]) -> None:
+        s = self.s
+        rd = s._zone_readers
+        with s._readers_cv:
+            for z in zones:
+                n = rd[z] - 1
+                if n:
+                    rd[z] = n
+                else:
+                    del rd[z]
+            s._readers_cv.notify_all()
 
     def read_all_locked(self, inode) -> bytes:
         """All of a (small) file: committed extents and buffered bytes (lock held)."""

@@ -295,7 +295,11 @@ class RetainzOperations(pyfuse3.Operations):
 
     @_fuse_errors
     async def read(self, fh, off, size):
-        return await _run(self.store.read, self._ino(fh), off, size, True)   # any buffer
+        ino = self._ino(fh)
+        data = self.store.data.read_cached(ino, off, size)     # read ahead: on the loop
+        if data is not None:
+            return data
+        return await _run(self.store.read, ino, off, size, True)   # any buffer
 
     @_fuse_errors
     async def write(self, fh, off, buf):

@@ -122,6 +122,7 @@ class StoreStats:
                 "metadata_partial": s.recovered_partial,
                 "format_version": s.sb.version,
                 "tuning": dict(s.tuning),
+                "readahead": {"hits": s.data.ra.hits, "bytes": s.data.ra.prefetched},
             }
 
     def zone_map(self, first: int = 0, count: int | None = None) -> dict:

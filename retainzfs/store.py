@@ -387,5 +387,6 @@ class Store:
             except OSError as e:
                 log.error("unmount: could not commit inode %d: %s", ino, e)
         self.files.flusher.shutdown(wait=True)
+        self.data.ra.close()
         self.sync()
         self.dev.flush()

@@ -1,0 +1,213 @@
+"""Sequential readahead inside the daemon: device reads larger and earlier than FUSE's.
+
+Why: a cold read reaches us as 1 MiB READ requests with only a few in flight, and each one
+costs a thread hop, an O_DIRECT read of 1 MiB and a hop back; ext4 reads ahead in large
+requests of its own.  Once a file is read sequentially, the next ``WINDOW`` bytes of it are
+read in the background (each contiguous zone range in one O_DIRECT read, checksums verified
+there, without the GIL), and the requests that follow are answered from those buffers on
+the FUSE event loop: no device call, no thread hop, no copy (the reply is taken from the
+buffer).  A request that falls in a window still being read waits for it instead of reading
+the same bytes again.
+
+Why it cannot serve stale bytes: entries are zone ranges keyed by (zone, zone generation).
+Zone bytes below the write pointer never change until the zone is reset, and a reset bumps
+the generation first (``Reclaim``), so an entry of an old generation is never matched; the
+file->zone mapping itself is looked up afresh, under ``Store.lock``, for every request.
+Zones out of service (``Store.bad_zones``) are never served from here.  Files with buffered
+(unwritten) bytes are not read ahead.
+
+Memory: at most ``MAX_FILES`` files, each with at most ``AHEAD`` windows (plus the one being
+served) held; the buffers return to ``_iobuf``'s pool when dropped.
+
+Locks: ``ReadAhead.lock`` (a plain Lock, innermost: taken under ``Store.lock`` or alone, never
+around device I/O or another lock).  Prefetches run on the ``rz-readahead`` threads.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .errors import FsError
+
+log = logging.getLogger("retainzfs")
+
+MiB = 1 << 20
+WINDOW = 4 * MiB        # bytes of a file read by one prefetch
+AHEAD = 3               # windows kept read (or being read) ahead of the reader
+MAX_FILES = 8           # files with readahead state (LRU)
+
+
+class _Seg:
+    """Verified bytes of zone ``zone`` (generation ``zgen``) at [zoff, zoff + len(view)),
+    holding file bytes [foff, foff + len(view))."""
+    __slots__ = ("zone", "zgen", "zoff", "end", "foff", "view")
+
+    def __init__(self, zone: int, zgen: int, zoff: int, foff: int, view) -> None:
+        self.zone, self.zgen, self.zoff, self.foff, self.view = zone, zgen, zoff, foff, view
+        self.end = zoff + len(view)
+
+
+class _File:
+    __slots__ = ("last_end", "segs", "pf_start", "pf_end", "pending")
+
+    def __init__(self) -> None:
+        self.last_end = -1                 # end of the previous request (sequential test)
+        self.segs: list[_Seg] = []
+        self.pf_start = self.pf_end = 0    # file range read ahead (done or pending)
+        self.pending: list[tuple[int, int, Future]] = []   # (start, end, future) in flight
+
+
+class ReadAhead:
+    def __init__(self, data) -> None:
+        self.data = data
+        self.s = data.s
+        self.lock = threading.Lock()
+        self.files: OrderedDict[int, _File] = OrderedDict()
+        self.pool = ThreadPoolExecutor(max_workers=AHEAD, thread_name_prefix="rz-readahead")
+        self.hits = 0
+        self.prefetched = 0
+
+    # ------------------------------------------------------------------ serving
+    def hit_locked(self, ino: int, off: int, size: int, segs: list) -> object | None:
+        """The bytes of [off, off+size) (``segs`` = its extent lookup) from the windows read
+        ahead, or None.  Store.lock held; CPU only.  Schedules the next window when the
+        reader is past the middle of what is held."""
+        s = self.s
+        with self.lock:
+            f = self.files.get(ino)
+            if f is None:
+                return None
+            parts = []
+            for dst, zone, zoff, length in segs:
+                if zone in s.bad_zones:
+                    return None
+                zg = s.zgen[zone]
+                for g in f.segs:
+                    if g.zone == zone and g.zgen == zg and g.zoff <= zoff and zoff + length <= g.end:
+                        parts.append((dst, g.view[zoff - g.zoff:zoff - g.zoff + length]))
+                        break
+                else:
+                    return None
+            if not parts:
+                return None
+            self.files.move_to_end(ino)
+            f.last_end = off + size
+            f.segs = [g for g in f.segs if g.foff + len(g.view) > off]   # drop what is behind
+            self.hits += 1
+            nxt = self._windows(f, off + size)
+        for w in nxt:
+            self._submit(ino, *w)
+        if len(parts) == 1 and parts[0][0] == 0 and len(parts[0][1]) == size:
+            return parts[0][1]
+        out = bytearray(size)              # a hole reads as zeros, as in DataPath.read
+        for dst, v in parts:
+            out[dst:dst + len(v)] = v
+        return out
+
+    def pending_for(self, ino: int, off: int, size: int) -> Future | None:
+        """A window being read that covers the start of [off, off+size), to wait for."""
+        with self.lock:
+            f = self.files.get(ino)
+            if f is not None:
+                for a, b, fut in f.pending:
+                    if a <= off < b:
+                        return fut
+        return None
+
+    def note_miss(self, ino: int, off: int, size: int) -> None:
+        """A request the windows did not answer (it reads the device itself): a second
+        request in sequence starts readahead behind it."""
+        with self.lock:
+            f = self.files.get(ino)
+            if f is None:
+                f = self.files[ino] = _File()
+                while len(self.files) > MAX_FILES:
+                    self.files.popitem(last=False)
+            seq = off == f.last_end
+            f.last_end = off + size
+            nxt = []
+            if seq:
+                pos = off + size
+                if not any(a <= pos < b for a, b, _ in f.pending):
+                    f.pf_start = f.pf_end = pos          # nothing held or coming for it:
+                    f.segs = []                          # the windows start again here
+                nxt = self._windows(f, pos)
+        for w in nxt:
+            self._submit(ino, *w)
+
+    def forget(self, ino: int) -> None:
+        with self.lock:
+            self.files.pop(ino, None)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        with self.lock:
+            self.files.clear()
+
+    # ------------------------------------------------------------------ windows
+    def _windows(self, f: _File, pos: int) -> list[tuple[int, int]]:
+        """(start, end) of the windows to read so that ``AHEAD`` windows are held or being
+        read ahead of ``pos`` (each its own prefetch: the disk gets a queue).  self.lock
+        held; the caller submits them."""
+        out = []
+        while f.pf_end - pos < AHEAD * WINDOW and len(f.pending) + len(out) < AHEAD:
+            start = max(f.pf_end, pos)
+            f.pf_end = start + WINDOW
+            out.append((start, start + WINDOW))
+        return out
+
+    def _submit(self, ino: int, start: int, end: int) -> None:
+        fut: Future = Future()
+        with self.lock:
+            f = self.files.get(ino)
+            if f is None:
+                return
+            f.pending.append((start, end, fut))
+        try:
+            self.pool.submit(self._prefetch, ino, start, end, fut)
+        except RuntimeError:               # shutting down
+            self._done(ino, fut)
+            fut.set_result(None)
+
+    def _done(self, ino: int, fut: Future) -> None:
+        with self.lock:
+            f = self.files.get(ino)
+            if f is not None:
+                f.pending = [p for p in f.pending if p[2] is not fut]
+
+    def _prefetch(self, ino: int, start: int, end: int, fut: Future) -> None:
+        s = self.s
+        d = self.data
+        try:
+            with s.lock:
+                inode = s.inodes.get(ino)
+                if inode is None or inode.has_buffered() or start >= inode.size:
+                    return
+                end = min(end, inode.size)
+                segs = inode.extents.lookup(start, end - start)
+                gens = {z: s.zgen[z] for _, z, _, _ in segs}
+                zones = d.enter_zones(gens)
+            try:
+                got = []
+                for dst, zone, zoff, length in segs:
+                    if zone in s.bad_zones:
+                        break
+                    try:
+                        v = d.verified_read(zone, zoff, length, ino, start + dst)
+                    except (FsError, OSError):
+                        break              # the request itself will read it and report it
+                    got.append(_Seg(zone, gens[zone], zoff, start + dst, memoryview(v)))
+            finally:
+                d.leave_zones(zones)
+            with self.lock:
+                f = self.files.get(ino)
+                if f is not None:
+                    f.segs.extend(got)
+                    self.prefetched += sum(len(g.view) for g in got)
+        except Exception:                  # readahead is an optimisation: never fail a read
+            log.exception("readahead of inode %d", ino)
+        finally:
+            self._done(ino, fut)
+            fut.set_result(None)
