@@ -6,8 +6,10 @@ requests of its own.  Once a file is read sequentially, the next ``WINDOW`` byte
 read in the background (each contiguous zone range in one O_DIRECT read, checksums verified
 there, without the GIL), and the requests that follow are answered from those buffers on
 the FUSE event loop: no device call, no thread hop, no copy (the reply is taken from the
-buffer).  A request that falls in a window still being read waits for it instead of reading
-the same bytes again.
+buffer).  A request that falls in a window still
+being read waits for it instead of reading the same bytes again.  Only a reader that has read
+``START`` bytes in sequence gets windows: random reads (and mmap page faults, which the kernel
+widens to 4 MiB) read only what they ask.
 
 Why it cannot serve stale bytes: entries are zone ranges keyed by (zone, zone generation).
 Zone bytes below the write pointer never change until the zone is reset, and a reset bumps
@@ -37,6 +39,9 @@ MiB = 1 << 20
 WINDOW = 4 * MiB        # bytes of a file read by one prefetch
 AHEAD = 3               # windows kept read (or being read) ahead of the reader
 MAX_FILES = 8           # files with readahead state (LRU)
+#: bytes read in sequence before the windows start: more than the kernel's own readaround of
+#: one mmap fault (``read_ahead_kb``, 4 MiB), so random page faults never trigger them
+START = 8 * MiB
 
 
 class _Seg:
@@ -50,10 +55,11 @@ class _Seg:
 
 
 class _File:
-    __slots__ = ("last_end", "segs", "pf_start", "pf_end", "pending")
+    __slots__ = ("last_end", "streak", "segs", "pf_start", "pf_end", "pending")
 
     def __init__(self) -> None:
         self.last_end = -1                 # end of the previous request (sequential test)
+        self.streak = 0                    # bytes read in sequence up to last_end
         self.segs: list[_Seg] = []
         self.pf_start = self.pf_end = 0    # file range read ahead (done or pending)
         self.pending: list[tuple[int, int, Future]] = []   # (start, end, future) in flight
@@ -93,6 +99,7 @@ class ReadAhead:
             if not parts:
                 return None
             self.files.move_to_end(ino)
+            f.streak = f.streak + size if off == f.last_end else size
             f.last_end = off + size
             f.segs = [g for g in f.segs if g.foff + len(g.view) > off]   # drop what is behind
             self.hits += 1
@@ -117,18 +124,18 @@ class ReadAhead:
         return None
 
     def note_miss(self, ino: int, off: int, size: int) -> None:
-        """A request the windows did not answer (it reads the device itself): a second
-        request in sequence starts readahead behind it."""
+        """A request the windows did not answer (it reads the device itself): once ``START``
+        bytes were read in sequence, the windows start behind it."""
         with self.lock:
             f = self.files.get(ino)
             if f is None:
                 f = self.files[ino] = _File()
                 while len(self.files) > MAX_FILES:
                     self.files.popitem(last=False)
-            seq = off == f.last_end
+            f.streak = f.streak + size if off == f.last_end else size
             f.last_end = off + size
             nxt = []
-            if seq:
+            if f.streak >= START:
                 pos = off + size
                 if not any(a <= pos < b for a, b, _ in f.pending):
                     f.pf_start = f.pf_end = pos          # nothing held or coming for it:

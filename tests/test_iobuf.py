@@ -294,14 +294,21 @@ def test_readahead_serves_hits_and_never_stale_bytes(tmp_path):
         assert _seq(s, ino, len(a)) == a
         st = s.status()["readahead"]
         assert st["hits"] >= 8 and st["bytes"] >= 8 * MiB
-        s.read(ino, 0, MiB)                                    # a new sequence from 0...
-        s.read(ino, MiB, MiB)
+        from retainzfs.readahead import START
+        before = s.status()["readahead"]["bytes"]
+        for base in (9, 2, 12, 5, 0, 7):                       # mmap faults: the kernel reads
+            for k in range(4):                                 # 4 MiB around each: no windows
+                s.read(ino, base * MiB + k * MiB, MiB)
+        time.sleep(0.2)
+        assert s.status()["readahead"]["bytes"] == before
+        for off in range(0, START, MiB):                       # a new sequence from 0...
+            s.read(ino, off, MiB)
         for _ in range(200):                                   # ...its windows arrive
-            hit = s.data.read_cached(ino, 2 * MiB, MiB)        # the event loop's path
+            hit = s.data.read_cached(ino, START, MiB)          # the event loop's path
             if hit is not None:
                 break
             time.sleep(0.01)
-        assert hit is not None and bytes(hit) == a[2 * MiB:3 * MiB]
+        assert hit is not None and bytes(hit) == a[START:START + MiB]
         # overwrite the middle, read it again: the new extent's bytes
         new = os.urandom(2 * MiB)
         s.open(ino)
