@@ -100,6 +100,7 @@ rz_crc_init()
 
 PAGE = 4096
 #: pooled sizes are powers of two from 64 KiB to 16 MiB; at most POOL_KEEP of each are kept
+#: (fewer of the large ones: 32 MiB per class)
 cdef int _MIN_SHIFT = 16
 cdef int _MAX_SHIFT = 24
 cdef int POOL_KEEP = 16
@@ -150,7 +151,8 @@ cdef class AlignedBuf:
             return
         if self.cls <= _MAX_SHIFT:
             i = self.cls - _MIN_SHIFT
-            if _pool_n[i] < POOL_KEEP:
+            # at most 32 MiB kept per size class above 2 MiB: the daemon's RSS stays bounded
+            if _pool_n[i] < (POOL_KEEP if self.cls <= 21 else (1 << (25 - self.cls))):
                 _pool[i][_pool_n[i]] = self.mem
                 _pool_n[i] += 1
                 self.mem = NULL
