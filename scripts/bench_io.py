@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 
-from benchutil import drop_caches
+from benchutil import cpu_seconds, daemon_pid, drop_caches, peak_rss
 
 MiB = 1 << 20
 REQ = 1 << 20
@@ -61,18 +61,26 @@ def parallel(fn, args_list) -> None:
         t.join()
 
 
-def figures(root: str, size: int) -> dict:
-    """Seconds for each figure in directory ``root``."""
+def figures(root: str, size: int, pid: int | None = None) -> dict:
+    """Seconds for each figure in directory ``root``; with the daemon's ``pid`` also its CPU
+    seconds per GiB of the sequential write and read (``*_cpu_s_per_gib``) and peak RSS."""
     buf = os.urandom(REQ)
     out = {}
     p = os.path.join(root, "seq")
+    c0 = cpu_seconds(pid)
     t = time.perf_counter()
     write_file(p, size, buf)
     out["seq_write_fsync"] = time.perf_counter() - t
+    c1 = cpu_seconds(pid)
     drop_caches()
+    c2 = cpu_seconds(pid)
     t = time.perf_counter()
     read_file(p)
     out["cold_seq_read"] = time.perf_counter() - t
+    c3 = cpu_seconds(pid)
+    gib = size / (1 << 30)
+    out["write_cpu_s_per_gib"] = (c1 - c0) / gib
+    out["read_cpu_s_per_gib"] = (c3 - c2) / gib
     drop_caches()
     with open(p, "rb") as f:                              # random 4 KiB reads via mmap
         mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
@@ -105,6 +113,7 @@ def figures(root: str, size: int) -> dict:
         os.stat(os.path.join(d, f"f{i}"))
     shutil.rmtree(d)
     out["small_files_2000"] = time.perf_counter() - t
+    out["peak_rss_mib"] = peak_rss(pid) / MiB
     return out
 
 
@@ -137,7 +146,7 @@ def main() -> int:
                                 "--zone-size", "64M", img], check=True)
                 subprocess.run(["mount.retainzfs", img, mnt], check=True)
                 try:
-                    res[kind].append(figures(mnt, size))
+                    res[kind].append(figures(mnt, size, daemon_pid(img)))
                 finally:
                     subprocess.run(["umount", mnt], check=True)
                     time.sleep(0.5)
@@ -149,8 +158,11 @@ def main() -> int:
         pl = statistics.median(x[k] for x in res["plain"])
         table[k] = {"retainzfs_s": rz, "plain_s": pl, "ratio": pl / rz if rz else 0.0,
                     "target": target}
+    daemon = {k: statistics.median(x[k] for x in res["retainzfs"])
+              for k in ("write_cpu_s_per_gib", "read_cpu_s_per_gib", "peak_rss_mib")}
     if a.json:
-        print(json.dumps({"size": size, "rounds": a.rounds, "figures": table}, indent=2))
+        print(json.dumps({"size": size, "rounds": a.rounds, "figures": table, "daemon": daemon},
+                         indent=2))
     else:
         print(f"{size / MiB:.0f} MiB files, 1 MiB requests, {a.rounds} alternating rounds; "
               f"ratio = plain time / retainzfs time (1.0 = as fast as a plain file)")
@@ -158,6 +170,9 @@ def main() -> int:
             ok = "meets" if v["ratio"] >= v["target"] else "below"
             print(f"  {k:22s} retainzfs {v['retainzfs_s']:7.2f} s  plain {v['plain_s']:7.2f} s  "
                   f"ratio {v['ratio']:.2f}  (target >= {v['target']}: {ok})")
+        print(f"  daemon: {daemon['write_cpu_s_per_gib']:.2f} CPU s per GiB written, "
+              f"{daemon['read_cpu_s_per_gib']:.2f} per GiB read, peak RSS "
+              f"{daemon['peak_rss_mib']:.0f} MiB (target 300)")
     return 0
 
 
