@@ -7,6 +7,10 @@ change any zone state (it only updates the per-stream cadence estimate and its c
 caller finishes the zones returned in ``finish`` (then calls ``note_finish``), writes, and calls
 ``note_write`` before the next ``place()``.
 
+Code layout: ``Summaries`` (zone state, its upkeep, the fullscan history), ``Policy`` (the
+decisions, on a ``ZView``), ``Streams`` (generations, cadence) and ``Allocator``, the public
+composition of the three.
+
 Per-zone cached summary (C arrays, O(1) upkeep per note_*)
 -----------------------------------------------------------
 ``W`` written bytes incl. padding, ``L`` live bytes, ``S`` live finite-hint bytes, ``D`` = sum of
@@ -76,7 +80,7 @@ the lowest index.
 
 zenfs -- port of upstream ZenFS (westerndigitalcorporation/zenfs, fs/zbd_zenfs.cc)
 ----------------------------------------------------------------------------------
-* ``ZonedBlockDevice::AllocateIOZone`` (non-WAL data file)  -> ``Allocator._d_zenfs``:
+* ``ZonedBlockDevice::AllocateIOZone`` (non-WAL data file)  -> ``Policy._d_zenfs``:
   ApplyFinishThreshold; take an open token; GetBestOpenZoneMatch; if ``best_diff >=
   LIFETIME_DIFF_COULD_BE_WORSE`` try an active token; keep the match only when no token was
   available and the diff is exactly COULD_BE_WORSE; otherwise open an empty zone, finishing the
@@ -117,6 +121,7 @@ retention windows of the same order (e.g. keep 3 vs keep 5 at one cadence) in on
 WAL files share one class upstream.
 """
 
+cimport cython
 from libc.stdlib cimport calloc, free
 from libc.stdint cimport int64_t, int32_t, int8_t, uint8_t, uint32_t, uint64_t
 from libc.math cimport INFINITY, ceil as c_ceil
@@ -309,119 +314,43 @@ cdef inline int _lifetime_diff(int zone_lt, int file_lt) noexcept nogil:
     return DIFF_NOT_GOOD
 
 
-cdef class Allocator:
-    """Zone allocator; see the module docstring.
+@cython.final
+cdef class Summaries:
+    """Per-zone summaries plus the condition indexes the decisions scan (active list, empty-zone
+    bitmap), with their O(1) upkeep, and in fullscan mode the event history they are rebuilt
+    from.
 
-    ``Allocator(nr_zones, zone_capacity, first_data_zone, policy="retainz", *, max_active=0,
-    lam=1.0, hint_grid=0, gc_reserve=1, fullscan=False, block_size=4096, span=0,
-    finish_threshold=0, zenfs_base=0)``
+    Kept apart from the policies so that the decision code only ever sees a ``ZView``: the
+    cached one, or (fullscan) the scratch one rebuilt from the history -- same code, same
+    decisions.  ``Allocator`` validates zone numbers and hints before calling in here.
     """
-    cdef readonly int nr_zones
-    cdef readonly int first_data_zone
-    cdef readonly int64_t zone_capacity
-    cdef readonly int64_t block_size
-    cdef readonly str policy
-    cdef readonly int max_active
-    cdef readonly int gc_reserve
-    cdef readonly double lam
-    cdef readonly double hint_grid
-    cdef readonly double span
-    cdef readonly int finish_threshold
-    cdef readonly double zenfs_base
-    cdef readonly bint fullscan
-
-    cdef int mode
-    cdef bint use_dbt, use_span, use_size
+    cdef int nr_zones
+    cdef int first_data_zone
+    cdef int64_t C
+    cdef bint fullscan
     cdef ZView cv            # cached summaries
     cdef ZView fv            # fullscan scratch (rebuilt from history on every place())
     cdef int32_t *pos        # index of a zone in cv.act, -1 if not active
     cdef uint64_t *emap      # bitmap of empty data zones (cached mode)
     cdef int nwords
     cdef int ehint           # lowest bitmap word that may hold a set bit
-    cdef uint8_t *vfin       # zones finished virtually during the current decision
-    cdef uint8_t *skip       # zones excluded from the current decision
-    cdef int32_t *fin
-    cdef int nfin
-    cdef list hist
-    cdef dict gen_ids
-    cdef dict cad
-    cdef dict writers        # zenfs: writer -> (zone, reset generation), ZoneFile::active_zone_
-    cdef uint32_t *rgen      # per-zone reset counter (validates writers entries)
-    cdef double zbase_seen
+    cdef uint32_t *rgen      # per-zone reset counter (validates zenfs writer entries)
+    cdef list hist           # fullscan: per-zone events since the last reset
 
-    cdef int out_zone
-    cdef int64_t out_nbytes
-    cdef int out_kind
-    cdef double out_cost
-    cdef double last_window
-    cdef int last_life
-    cdef int pend_zone
-    cdef int32_t pend_gen
-    cdef int8_t pend_life
-
-    cdef int64_t n_places, place_ns, n_notes, note_ns
-    cdef int64_t n_new, n_finish, n_fallback, n_nospace
-
-    def __init__(self, nr_zones, zone_capacity, first_data_zone, policy="retainz", *,
-                 max_active=0, lam=1.0, hint_grid=0, gc_reserve=1, fullscan=False,
-                 block_size=4096, span=0, finish_threshold=0, zenfs_base=0):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown allocator policy {policy!r} (one of {', '.join(POLICIES)})")
-        if nr_zones <= 0 or zone_capacity <= 0:
-            raise ValueError("nr_zones and zone_capacity must be positive")
-        if not 0 <= first_data_zone <= nr_zones:
-            raise ValueError("first_data_zone out of range")
-        if max_active < 0 or gc_reserve < 0 or hint_grid < 0 or span < 0 or lam < 0:
-            raise ValueError("max_active, gc_reserve, hint_grid, span and lam must be >= 0")
-        if not 0 <= finish_threshold <= 100:
-            raise ValueError("finish_threshold is a percentage (0..100)")
-        if self.pos != NULL:
-            raise RuntimeError("Allocator already initialised")
+    def __cinit__(self, int nr_zones, int64_t zone_capacity, int first_data_zone, bint fullscan):
         self.nr_zones = nr_zones
         self.first_data_zone = first_data_zone
-        self.zone_capacity = zone_capacity
-        self.block_size = block_size
-        self.policy = policy
-        self.max_active = max_active
-        self.gc_reserve = gc_reserve
-        self.lam = lam
-        self.hint_grid = hint_grid
-        self.span = span
-        self.finish_threshold = finish_threshold
-        self.zenfs_base = zenfs_base
-        self.fullscan = bool(fullscan)
-        self.use_dbt = True
-        self.use_span = True
-        self.use_size = True
-        self.mode = M_RETAINZ
-        if policy == "zenfs":
-            self.mode = M_ZENFS
-        elif policy == "equal-epoch":
-            self.mode = M_EQUAL
-        elif policy == "isolate":
-            self.mode = M_ISOLATE
-        elif policy == "retainz-notail":
-            self.lam = 0.0
-        elif policy == "retainz-nodbt":
-            self.use_dbt = False
-        elif policy == "retainz-nospan":
-            self.use_span = False
-        elif policy == "retainz-nosize":
-            self.use_size = False
-
+        self.C = zone_capacity
+        self.fullscan = fullscan
         cdef int n = nr_zones
         _view_alloc(&self.cv, n)
-        if self.fullscan:
+        if fullscan:
             _view_alloc(&self.fv, n)
         self.pos = <int32_t *>calloc(n, sizeof(int32_t))
-        self.vfin = <uint8_t *>calloc(n, sizeof(uint8_t))
-        self.skip = <uint8_t *>calloc(n, sizeof(uint8_t))
-        self.fin = <int32_t *>calloc(n + 1, sizeof(int32_t))
         self.rgen = <uint32_t *>calloc(n, sizeof(uint32_t))
         self.nwords = (n + 63) // 64
         self.emap = <uint64_t *>calloc(self.nwords, sizeof(uint64_t))
-        if (self.pos == NULL or self.vfin == NULL or self.skip == NULL or self.fin == NULL
-                or self.emap == NULL or self.rgen == NULL):
+        if self.pos == NULL or self.emap == NULL or self.rgen == NULL:
             raise MemoryError()
         cdef int z
         for z in range(n):
@@ -434,90 +363,16 @@ cdef class Allocator:
                 self.emap[z >> 6] |= (<uint64_t>1) << (z & 63)
                 self.cv.n_empty += 1
         self.ehint = 0
-        self.hist = [[] for _ in range(n)] if self.fullscan else []
-        self.gen_ids = {}
-        self.cad = {}
-        self.writers = {}
-        self.zbase_seen = 0.0
-        self.out_zone = -1
-        self.pend_zone = -1
-        self.pend_gen = -1
-        self.pend_life = L_NOT_SET
-        self.last_window = 0.0
-        self.last_life = L_NOT_SET
+        self.hist = [[] for _ in range(n)] if fullscan else []
 
     def __dealloc__(self):
         _view_free(&self.cv)
         _view_free(&self.fv)
         free(self.pos)
-        free(self.vfin)
-        free(self.skip)
-        free(self.fin)
         free(self.emap)
         free(self.rgen)
 
-    # ------------------------------------------------------------------ helpers
-    cdef double _hint(self, hint) except? -1.0:
-        """Python hint -> double: None/inf -> inf; finite rounded up to the hint grid."""
-        if hint is None:
-            return INFINITY
-        cdef double d = float(hint)
-        if d != d:
-            raise ValueError("hint is NaN")
-        if d == INFINITY:
-            return INFINITY
-        if d == -INFINITY:
-            raise ValueError("hint is -inf")
-        if self.hint_grid > 0:
-            d = c_ceil(d / self.hint_grid) * self.hint_grid
-        return d
-
-    cdef int _zone(self, zone) except -1:
-        cdef int z = zone
-        if z < self.first_data_zone or z >= self.nr_zones:
-            raise ValueError(f"zone {zone} is not a data zone "
-                             f"[{self.first_data_zone}, {self.nr_zones})")
-        return z
-
-    cdef int8_t _life_class(self, double d, double a):
-        if d == INFINITY:
-            return L_EXTREME
-        cdef double base = self.zenfs_base if self.zenfs_base > 0 else self.zbase_seen
-        cdef double t = d - a
-        if base <= 0 or t <= 2.0 * base:
-            return L_SHORT
-        if t <= 20.0 * base:
-            return L_MEDIUM
-        return L_LONG
-
-    cdef int32_t _gen(self, stream, birth):
-        key = (stream, birth)
-        g = self.gen_ids.get(key)
-        if g is None:
-            g = len(self.gen_ids)
-            self.gen_ids[key] = g
-        return g
-
-    cdef double _window(self, double d, double a, stream, int64_t size, int64_t save_size):
-        cdef double step
-        if self.span > 0:
-            step = self.span
-        else:
-            st = self.cad.get(stream)
-            if st is not None and st[1] > 0:
-                step = st[1]
-            else:
-                step = (d - a) / 2.0 if d > a else 0.0
-        if self.hint_grid > step:
-            step = self.hint_grid
-        cdef int64_t ss, n
-        if self.use_size:
-            ss = save_size if save_size > 0 else size
-            n = (self.zone_capacity + ss - 1) // ss
-            if n > 2:
-                return step * (n - 1)
-        return step
-
+    # ------------------------------------------------------------------ indexes
     cdef int _first_empty_cached(self) noexcept:
         cdef int w = self.ehint
         while w < self.nwords:
@@ -577,7 +432,7 @@ cdef class Allocator:
                     _sum_dead(v, z, ev[1], ev[2])
                 else:
                     finished = True
-            if finished or v.W[z] >= self.zone_capacity:
+            if finished or v.W[z] >= self.C:
                 v.cond[z] = C_FULL
             elif v.W[z] > 0:
                 v.cond[z] = C_ACTIVE
@@ -589,12 +444,242 @@ cdef class Allocator:
                 if v.first_empty < 0:
                     v.first_empty = z
 
-    # ------------------------------------------------------------------ decision core
-    cdef inline int64_t _free(self, ZView *v, int z) noexcept:
-        if v.cond[z] != C_ACTIVE and v.cond[z] != C_EMPTY:
-            return 0
-        return self.zone_capacity - v.W[z]
+    cdef ZView *view(self) except NULL:
+        """The view a place() decides on, with ``first_empty`` set: rebuilt from the history
+        (fullscan) or the cached one."""
+        if self.fullscan:
+            self._rebuild()
+            return &self.fv
+        self.cv.first_empty = self._first_empty_cached()
+        return &self.cv
 
+    # ------------------------------------------------------------------ upkeep (note_*)
+    cdef int check_write(self, int z, int64_t n) except -1:
+        """Validate a note_write before anything changes; 0: nothing to write (n == 0)."""
+        if n < 0:
+            raise ValueError("note_write(): negative size")
+        if n == 0:
+            return 0
+        if self.cv.cond[z] == C_FULL:
+            raise ValueError(f"note_write(): zone {z} is full/finished")
+        if self.cv.W[z] + n > self.C:
+            raise ValueError(f"note_write(): zone {z}: {self.cv.W[z]} + {n} bytes exceed "
+                             f"capacity {self.C}")
+        return 1
+
+    cdef void write(self, int z, int64_t n, double d, bint live, int32_t gid, int8_t life):
+        """A checked write (``check_write``) of ``n`` bytes with rounded hint ``d``."""
+        _sum_write(&self.cv, z, n, d, live, gid, life)
+        if self.cv.cond[z] == C_EMPTY:
+            self.cv.cond[z] = C_ACTIVE
+            self._emap_clear(z)
+            self.cv.n_empty -= 1
+            self._act_add(z)
+        if self.cv.W[z] >= self.C:
+            self.cv.cond[z] = C_FULL
+            self._act_remove(z)
+        if self.fullscan:
+            self.hist[z].append((0, n, d, bool(live), gid, life))
+
+    cdef int dead(self, int z, int64_t n, double d, hint) except -1:
+        """``hint``: the caller's unrounded hint, for the error message only."""
+        if n < 0:
+            raise ValueError("note_dead(): negative size")
+        if n == 0:
+            return 0
+        if self.cv.L[z] < n:
+            raise ValueError(f"note_dead(): zone {z} has {self.cv.L[z]} live bytes < {n}")
+        if d != INFINITY and self.cv.S[z] < n:
+            raise ValueError(f"note_dead(): zone {z} has {self.cv.S[z]} live finite-hint "
+                             f"bytes < {n} (hint {hint!r} differs from the written one?)")
+        _sum_dead(&self.cv, z, n, d)
+        if self.fullscan:
+            self.hist[z].append((1, n, d))
+        return 0
+
+    cdef void finish(self, int z):
+        if self.cv.cond[z] == C_EMPTY:
+            self._emap_clear(z)
+            self.cv.n_empty -= 1
+        elif self.cv.cond[z] == C_ACTIVE:
+            self._act_remove(z)
+        elif self.cv.cond[z] == C_FULL:
+            return
+        self.cv.cond[z] = C_FULL
+        if self.fullscan:
+            self.hist[z].append((2,))
+
+    cdef void reset(self, int z):
+        if self.cv.cond[z] == C_ACTIVE:
+            self._act_remove(z)
+        if self.cv.cond[z] != C_EMPTY:
+            self.cv.cond[z] = C_EMPTY
+            self._emap_set(z)
+            self.cv.n_empty += 1
+        _sum_clear(&self.cv, z)
+        self.rgen[z] += 1
+        if self.fullscan:
+            self.hist[z] = []
+
+    # ------------------------------------------------------------------ queries
+    cdef list check(self):
+        """Zones whose cached summary or index entry differs from the history (-1: counts)."""
+        self._rebuild()
+        cdef ZView *a = &self.cv
+        cdef ZView *b = &self.fv
+        cdef int z
+        bad = []
+        for z in range(self.first_data_zone, self.nr_zones):
+            if (a.W[z] != b.W[z] or a.L[z] != b.L[z] or a.S[z] != b.S[z] or a.D[z] != b.D[z]
+                    or a.minh[z] != b.minh[z] or a.maxh[z] != b.maxh[z]
+                    or a.anchor[z] != b.anchor[z] or a.cond[z] != b.cond[z]
+                    or a.owner[z] != b.owner[z] or a.life[z] != b.life[z]
+                    or (a.cond[z] == C_ACTIVE) != (self.pos[z] >= 0)
+                    or (a.cond[z] == C_EMPTY) != bool((self.emap[z >> 6] >> (z & 63)) & 1)):
+                bad.append(z)
+        if a.n_act != b.n_act or a.n_empty != b.n_empty:
+            bad.append(-1)
+        return bad
+
+    cdef inline int64_t free_bytes(self, int z) noexcept:
+        if self.cv.cond[z] != C_ACTIVE and self.cv.cond[z] != C_EMPTY:
+            return 0
+        return self.C - self.cv.W[z]
+
+    cdef double reclaim(self, int z) noexcept:
+        if self.cv.anchor[z]:
+            return INFINITY
+        return self.cv.maxh[z]
+
+    cdef dict summary(self, int z):
+        cdef ZView *v = &self.cv
+        has = v.maxh[z] != -INFINITY
+        return {"W": v.W[z], "L": v.L[z], "S": v.S[z], "D": v.D[z],
+                "minh": v.minh[z] if has else None, "maxh": v.maxh[z] if has else None,
+                "anchor": bool(v.anchor[z]), "cond": _COND_NAMES[v.cond[z]],
+                "R": self.reclaim(z), "free": self.free_bytes(z),
+                "owner": v.owner[z], "lifetime": WLTH_NAMES[v.life[z]]}
+
+    cdef list empty_list(self):
+        return [z for z in range(self.first_data_zone, self.nr_zones)
+                if self.cv.cond[z] == C_EMPTY]
+
+    cdef list active_list(self):
+        return sorted(self.cv.act[i] for i in range(self.cv.n_act))
+
+    cdef list victims(self, n, exclude):
+        """GC victims (see ``Allocator.victims``): an order on the summaries, no policy."""
+        ex = set(exclude)
+        cdef ZView *v = &self.cv
+        cands = []
+        cdef int z
+        for z in range(self.first_data_zone, self.nr_zones):
+            if v.cond[z] == C_FULL:
+                gain = self.C - v.L[z]
+            elif v.cond[z] == C_ACTIVE and z not in ex:
+                gain = v.W[z] - v.L[z]
+            else:
+                continue
+            if gain > 0:
+                cands.append((-gain, v.L[z], -self.reclaim(z), z))
+        cands.sort()
+        return [c[3] for c in cands[:n]]
+
+
+@cython.final
+cdef class Policy:
+    """The placement decisions (module docstring, "Policies"): one ``decide()`` on a ``ZView``.
+
+    Holds only the policy parameters and the scratch of one decision (virtually finished and
+    excluded zones, the zones to finish, the result); zone state comes in as the view, so the
+    cached and the fullscan summaries run the very same code.  Never changes the view.
+    """
+    cdef int nr_zones
+    cdef int first_data_zone
+    cdef int64_t C
+    cdef int mode
+    cdef bint use_dbt, use_span
+    cdef double lam
+    cdef int max_active
+    cdef int finish_threshold
+    cdef uint8_t *vfin       # zones finished virtually during the current decision
+    cdef uint8_t *skip       # zones excluded from the current decision
+    cdef int32_t *fin        # zones to finish, in decision order
+    cdef int nfin
+    cdef int out_zone
+    cdef int64_t out_nbytes
+    cdef int out_kind
+    cdef double out_cost
+
+    def __cinit__(self, int nr_zones, int64_t zone_capacity, int first_data_zone, int mode,
+                  bint use_dbt, bint use_span, double lam, int max_active, int finish_threshold):
+        self.nr_zones = nr_zones
+        self.first_data_zone = first_data_zone
+        self.C = zone_capacity
+        self.mode = mode
+        self.use_dbt = use_dbt
+        self.use_span = use_span
+        self.lam = lam
+        self.max_active = max_active
+        self.finish_threshold = finish_threshold
+        self.vfin = <uint8_t *>calloc(nr_zones, sizeof(uint8_t))
+        self.skip = <uint8_t *>calloc(nr_zones, sizeof(uint8_t))
+        self.fin = <int32_t *>calloc(nr_zones + 1, sizeof(int32_t))
+        if self.vfin == NULL or self.skip == NULL or self.fin == NULL:
+            raise MemoryError()
+        self.out_zone = -1
+
+    def __dealloc__(self):
+        free(self.vfin)
+        free(self.skip)
+        free(self.fin)
+
+    # ------------------------------------------------------------------ one decision
+    cdef int decide(self, ZView *v, int64_t s, double d, double now, double window,
+                    int life, int32_t gid, bint can_new, bint tails_only, int wzone) noexcept:
+        """Result in ``out_*`` and ``fin[:nfin]``; -1: no zone can take any byte.  ``wzone``
+        >= 0: the zenfs writer's current zone, taken without a decision.  The caller sets
+        ``skip`` before and calls ``done()`` after."""
+        self.nfin = 0
+        self.out_zone = -1
+        self.out_nbytes = 0
+        self.out_kind = K_EXISTING
+        self.out_cost = 0.0
+        # an excluded empty zone cannot be opened: look for the next one
+        if v.first_empty >= 0 and self.skip[v.first_empty]:
+            v.first_empty = self._next_empty(v, 0)
+        if wzone >= 0:
+            self._take(v, wzone, s, K_EXISTING, 0.0)
+            return 0
+        if tails_only:
+            return self._d_tails(v, s, d, now, life)
+        if self.mode == M_ZENFS:
+            return self._d_zenfs(v, s, life, can_new)
+        if self.mode == M_EQUAL:
+            return self._d_equal(v, s, d, now, can_new)
+        if self.mode == M_ISOLATE:
+            return self._d_isolate(v, s, d, now, gid, can_new)
+        return self._d_retainz(v, s, d, now, window, can_new)
+
+    cdef list done(self, list excl):
+        """The zones to finish, as a list; clears the per-decision marks."""
+        cdef int i, z
+        fin = [self.fin[i] for i in range(self.nfin)]
+        for z in fin:
+            self.vfin[z] = 0
+        for z in excl:
+            self.skip[z] = 0
+        return fin
+
+    cdef int _next_empty(self, ZView *v, int start) noexcept:
+        """Lowest-index empty, non-excluded data zone (slow path, only with ``exclude``)."""
+        cdef int z
+        for z in range(max(start, self.first_data_zone), self.nr_zones):
+            if v.cond[z] == C_EMPTY and not self.skip[z]:
+                return z
+        return -1
+
+    # ------------------------------------------------------------------ decision core
     cdef inline bint _need_finish(self, ZView *v) noexcept:
         return self.max_active > 0 and (v.n_act - self.nfin) >= self.max_active
 
@@ -612,15 +697,15 @@ cdef class Allocator:
             rem = Rn - now
             if rem < 0:
                 rem = 0.0
-            cost += self.lam * <double>(self.zone_capacity - v.W[z] - s) * rem
+            cost += self.lam * <double>(self.C - v.W[z] - s) * rem
         return cost
 
     cdef inline double _new_cost(self, int64_t s, double d, double now) noexcept:
-        cdef int64_t nb = s if s < self.zone_capacity else self.zone_capacity
+        cdef int64_t nb = s if s < self.C else self.C
         cdef double rem = d - now
         if rem < 0 or self.lam == 0.0:
             return 0.0
-        return self.lam * <double>(self.zone_capacity - nb) * rem
+        return self.lam * <double>(self.C - nb) * rem
 
     cdef int _rz_scan(self, ZView *v, int64_t s, double d, double now, double window,
                       bint span, double *outcost) noexcept:
@@ -633,7 +718,7 @@ cdef class Allocator:
             z = v.act[i]
             if self.vfin[z] or self.skip[z] or v.anchor[z]:
                 continue
-            fr = self.zone_capacity - v.W[z]
+            fr = self.C - v.W[z]
             if fr <= 0:
                 continue
             if span and v.maxh[z] != -INFINITY:
@@ -671,7 +756,7 @@ cdef class Allocator:
             else:
                 if v.owner[z] != gid:
                     continue
-            fr = self.zone_capacity - v.W[z]
+            fr = self.C - v.W[z]
             if fr <= 0:
                 continue
             nb = s if s < fr else fr
@@ -692,7 +777,7 @@ cdef class Allocator:
             z = v.act[i]
             if self.vfin[z]:
                 continue
-            fr = self.zone_capacity - v.W[z]
+            fr = self.C - v.W[z]
             if v.anchor[z]:
                 c = INFINITY
             else:
@@ -717,7 +802,7 @@ cdef class Allocator:
             z = v.act[i]
             if self.vfin[z]:
                 continue
-            fr = self.zone_capacity - v.W[z]
+            fr = self.C - v.W[z]
             if best < 0 or fr < bfr or (fr == bfr and z < best):
                 best = z
                 bfr = fr
@@ -743,12 +828,12 @@ cdef class Allocator:
                 return -1
             self._mark_fin(victim)
         self.out_zone = v.first_empty
-        self.out_nbytes = s if s < self.zone_capacity else self.zone_capacity
+        self.out_nbytes = s if s < self.C else self.C
         self.out_kind = K_NEW
         return 0
 
     cdef inline void _take(self, ZView *v, int z, int64_t s, int kind, double cost) noexcept:
-        cdef int64_t fr = self.zone_capacity - v.W[z]
+        cdef int64_t fr = self.C - v.W[z]
         self.out_zone = z
         self.out_nbytes = s if s < fr else fr
         self.out_kind = kind
@@ -817,7 +902,7 @@ cdef class Allocator:
         if self.mode == M_ZENFS:
             for i in range(v.n_act):
                 z = v.act[i]
-                if self.vfin[z] or self.skip[z] or self.zone_capacity - v.W[z] <= 0:
+                if self.vfin[z] or self.skip[z] or self.C - v.W[z] <= 0:
                     continue
                 diff = _lifetime_diff(v.life[z], file_lt)
                 if diff < DIFF_NOT_GOOD and (diff < best_diff or (diff == best_diff and z > best)):
@@ -847,10 +932,10 @@ cdef class Allocator:
         cdef bint got_token
         # ApplyFinishThreshold()
         if self.finish_threshold > 0:
-            limit = self.zone_capacity * self.finish_threshold // 100
+            limit = self.C * self.finish_threshold // 100
             for i in range(v.n_act):
                 z = v.act[i]
-                if not self.vfin[z] and self.zone_capacity - v.W[z] < limit:
+                if not self.vfin[z] and self.C - v.W[z] < limit:
                     self._mark_fin(z)
         # WaitForOpenIOZoneToken(false): always available here (single writer).
         # GetBestOpenZoneMatch(file_lifetime, &best_diff, &allocated_zone)
@@ -858,7 +943,7 @@ cdef class Allocator:
             z = v.act[i]
             if self.vfin[z] or self.skip[z]:
                 continue
-            fr = self.zone_capacity - v.W[z]
+            fr = self.C - v.W[z]
             if v.L[z] > 0 and fr > 0:
                 diff = _lifetime_diff(v.life[z], file_lt)
                 if diff < best_diff or (diff == best_diff and (best < 0 or z > best)):
@@ -880,7 +965,7 @@ cdef class Allocator:
                 if not can_new or v.first_empty < 0:
                     return -1
                 self.out_zone = v.first_empty
-                self.out_nbytes = s if s < self.zone_capacity else self.zone_capacity
+                self.out_nbytes = s if s < self.C else self.C
                 self.out_kind = K_NEW
                 self.out_cost = 0.0
                 return 0
@@ -888,6 +973,206 @@ cdef class Allocator:
             return 0
         self._take(v, best, s, K_EXISTING, <double>best_diff)
         return 0
+
+@cython.final
+cdef class Streams:
+    """What ``place()`` learns about the data it is asked to place: generation ids (zone owner,
+    ``isolate``), each stream's cadence (the RetainZ span window) and the shortest lifetime
+    seen (the zenfs lifetime-class base).
+
+    Python-level state keyed by the caller's stream / birth objects, touched once per call
+    (never in a scan loop); apart so that the zone state and the decisions stay C-only.
+    """
+    cdef int64_t C
+    cdef double hint_grid
+    cdef double span
+    cdef double zenfs_base
+    cdef bint use_size
+    cdef dict gen_ids        # (stream, birth) -> generation id
+    cdef dict cad            # stream -> [last birth, cadence]
+    cdef double zbase_seen
+
+    def __cinit__(self, int64_t zone_capacity, double hint_grid, double span, double zenfs_base,
+                  bint use_size):
+        self.C = zone_capacity
+        self.hint_grid = hint_grid
+        self.span = span
+        self.zenfs_base = zenfs_base
+        self.use_size = use_size
+        self.gen_ids = {}
+        self.cad = {}
+        self.zbase_seen = 0.0
+
+    cdef int learn(self, stream, double a, double d) except -1:
+        """A place() of a generation born at ``a`` (hint ``d``): per-stream cadence (gap
+        between consecutive births of the stream) and the shortest lifetime seen."""
+        st = self.cad.get(stream)
+        if st is None:
+            self.cad[stream] = [a, 0.0]
+        elif a > st[0]:
+            st[1] = a - st[0]
+            st[0] = a
+        if d != INFINITY and d > a and (self.zbase_seen == 0 or d - a < self.zbase_seen):
+            self.zbase_seen = d - a
+        return 0
+
+    cdef int8_t life_class(self, double d, double a):
+        if d == INFINITY:
+            return L_EXTREME
+        cdef double base = self.zenfs_base if self.zenfs_base > 0 else self.zbase_seen
+        cdef double t = d - a
+        if base <= 0 or t <= 2.0 * base:
+            return L_SHORT
+        if t <= 20.0 * base:
+            return L_MEDIUM
+        return L_LONG
+
+    cdef int32_t gen(self, stream, birth):
+        key = (stream, birth)
+        g = self.gen_ids.get(key)
+        if g is None:
+            g = len(self.gen_ids)
+            self.gen_ids[key] = g
+        return g
+
+    cdef double window(self, double d, double a, stream, int64_t size, int64_t save_size):
+        cdef double step
+        if self.span > 0:
+            step = self.span
+        else:
+            st = self.cad.get(stream)
+            if st is not None and st[1] > 0:
+                step = st[1]
+            else:
+                step = (d - a) / 2.0 if d > a else 0.0
+        if self.hint_grid > step:
+            step = self.hint_grid
+        cdef int64_t ss, n
+        if self.use_size:
+            ss = save_size if save_size > 0 else size
+            n = (self.C + ss - 1) // ss
+            if n > 2:
+                return step * (n - 1)
+        return step
+
+
+cdef class Allocator:
+    """Zone allocator; see the module docstring.
+
+    ``Allocator(nr_zones, zone_capacity, first_data_zone, policy="retainz", *, max_active=0,
+    lam=1.0, hint_grid=0, gc_reserve=1, fullscan=False, block_size=4096, span=0,
+    finish_threshold=0, zenfs_base=0)``
+
+    The public face, composed of a ``Summaries`` (zone state), a ``Policy`` (decisions) and a
+    ``Streams`` (generations, cadence); it checks and converts the arguments, keeps the zenfs
+    writers and the last decision, and counts and times every call.
+    """
+    cdef readonly int nr_zones
+    cdef readonly int first_data_zone
+    cdef readonly int64_t zone_capacity
+    cdef readonly int64_t block_size
+    cdef readonly str policy
+    cdef readonly int max_active
+    cdef readonly int gc_reserve
+    cdef readonly double lam
+    cdef readonly double hint_grid
+    cdef readonly double span
+    cdef readonly int finish_threshold
+    cdef readonly double zenfs_base
+    cdef readonly bint fullscan
+
+    cdef Summaries s
+    cdef Policy p
+    cdef Streams st
+    cdef int mode
+    cdef dict writers        # zenfs: writer -> (zone, reset generation), ZoneFile::active_zone_
+
+    cdef double last_window
+    cdef int last_life
+    cdef int pend_zone
+    cdef int32_t pend_gen
+    cdef int8_t pend_life
+
+    cdef int64_t n_places, place_ns, n_notes, note_ns
+    cdef int64_t n_new, n_finish, n_fallback, n_nospace
+
+    def __init__(self, nr_zones, zone_capacity, first_data_zone, policy="retainz", *,
+                 max_active=0, lam=1.0, hint_grid=0, gc_reserve=1, fullscan=False,
+                 block_size=4096, span=0, finish_threshold=0, zenfs_base=0):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown allocator policy {policy!r} (one of {', '.join(POLICIES)})")
+        if nr_zones <= 0 or zone_capacity <= 0:
+            raise ValueError("nr_zones and zone_capacity must be positive")
+        if not 0 <= first_data_zone <= nr_zones:
+            raise ValueError("first_data_zone out of range")
+        if max_active < 0 or gc_reserve < 0 or hint_grid < 0 or span < 0 or lam < 0:
+            raise ValueError("max_active, gc_reserve, hint_grid, span and lam must be >= 0")
+        if not 0 <= finish_threshold <= 100:
+            raise ValueError("finish_threshold is a percentage (0..100)")
+        if self.s is not None:
+            raise RuntimeError("Allocator already initialised")
+        self.nr_zones = nr_zones
+        self.first_data_zone = first_data_zone
+        self.zone_capacity = zone_capacity
+        self.block_size = block_size
+        self.policy = policy
+        self.max_active = max_active
+        self.gc_reserve = gc_reserve
+        self.lam = lam
+        self.hint_grid = hint_grid
+        self.span = span
+        self.finish_threshold = finish_threshold
+        self.zenfs_base = zenfs_base
+        self.fullscan = bool(fullscan)
+        cdef bint use_dbt = True, use_span = True, use_size = True
+        self.mode = M_RETAINZ
+        if policy == "zenfs":
+            self.mode = M_ZENFS
+        elif policy == "equal-epoch":
+            self.mode = M_EQUAL
+        elif policy == "isolate":
+            self.mode = M_ISOLATE
+        elif policy == "retainz-notail":
+            self.lam = 0.0
+        elif policy == "retainz-nodbt":
+            use_dbt = False
+        elif policy == "retainz-nospan":
+            use_span = False
+        elif policy == "retainz-nosize":
+            use_size = False
+        self.s = Summaries(nr_zones, zone_capacity, first_data_zone, self.fullscan)
+        self.p = Policy(nr_zones, zone_capacity, first_data_zone, self.mode, use_dbt, use_span,
+                        self.lam, max_active, finish_threshold)
+        self.st = Streams(zone_capacity, self.hint_grid, self.span, self.zenfs_base, use_size)
+        self.writers = {}
+        self.pend_zone = -1
+        self.pend_gen = -1
+        self.pend_life = L_NOT_SET
+        self.last_window = 0.0
+        self.last_life = L_NOT_SET
+
+    # ------------------------------------------------------------------ argument conversion
+    cdef double _hint(self, hint) except? -1.0:
+        """Python hint -> double: None/inf -> inf; finite rounded up to the hint grid."""
+        if hint is None:
+            return INFINITY
+        cdef double d = float(hint)
+        if d != d:
+            raise ValueError("hint is NaN")
+        if d == INFINITY:
+            return INFINITY
+        if d == -INFINITY:
+            raise ValueError("hint is -inf")
+        if self.hint_grid > 0:
+            d = c_ceil(d / self.hint_grid) * self.hint_grid
+        return d
+
+    cdef int _zone(self, zone) except -1:
+        cdef int z = zone
+        if z < self.first_data_zone or z >= self.nr_zones:
+            raise ValueError(f"zone {zone} is not a data zone "
+                             f"[{self.first_data_zone}, {self.nr_zones})")
+        return z
 
     # ------------------------------------------------------------------ public API
     def place(self, size, hint, birth, now, stream=0, save_size=0, *, allow_reserve=False,
@@ -931,104 +1216,58 @@ cdef class Allocator:
         cdef double d = self._hint(hint)
         cdef double fnow = float(now)
         cdef double a = fnow if birth is None else float(birth)
-        # per-stream cadence (gap between consecutive births of the stream)
         if birth is not None:
-            st = self.cad.get(stream)
-            if st is None:
-                self.cad[stream] = [a, 0.0]
-            elif a > st[0]:
-                st[1] = a - st[0]
-                st[0] = a
-            if d != INFINITY and d > a and (self.zbase_seen == 0 or d - a < self.zbase_seen):
-                self.zbase_seen = d - a
-        cdef int32_t gid = self._gen(stream, birth)
-        cdef int8_t life = self._life_class(d, a)
-        cdef double window = self._window(d, a, stream, s, ss)
+            self.st.learn(stream, a, d)
+        cdef int32_t gid = self.st.gen(stream, birth)
+        cdef int8_t life = self.st.life_class(d, a)
+        cdef double window = self.st.window(d, a, stream, s, ss)
         self.last_window = window
         self.last_life = life
 
-        cdef ZView *v
-        if self.fullscan:
-            self._rebuild()
-            v = &self.fv
-        else:
-            v = &self.cv
-            v.first_empty = self._first_empty_cached()
+        cdef ZView *v = self.s.view()
         cdef bint can_new = v.n_empty > self.gc_reserve or (allow_reserve and v.n_empty > 0)
-
+        cdef Policy p = self.p
         cdef list excl = []
         cdef int z
         if exclude is not None:
             for x in exclude:
                 z = x
                 if 0 <= z < self.nr_zones:
-                    self.skip[z] = 1
+                    p.skip[z] = 1
                     excl.append(z)
-        self.nfin = 0
-        self.out_zone = -1
-        self.out_nbytes = 0
-        self.out_kind = K_EXISTING
-        self.out_cost = 0.0
-        cdef int rc
-        # an excluded empty zone cannot be opened: look for the next one
-        if v.first_empty >= 0 and self.skip[v.first_empty]:
-            v.first_empty = self._next_empty(v, 0)
-        cdef object w = None
+        # zenfs ZoneFile::active_zone_: the writer's zone while it is active with room
+        cdef int wz = -1
         if self.mode == M_ZENFS and writer is not None and not tails_only:
             w = self.writers.get(writer)
             if w is not None:
                 z = w[0]
-                if (w[1] != self.rgen[z] or v.cond[z] != C_ACTIVE or self.skip[z]
+                if not (w[1] != self.s.rgen[z] or v.cond[z] != C_ACTIVE or p.skip[z]
                         or v.W[z] >= self.zone_capacity):
-                    w = None
-        if w is not None:
-            self._take(v, w[0], s, K_EXISTING, 0.0)
-            rc = 0
-        elif tails_only:
-            rc = self._d_tails(v, s, d, fnow, life)
-        elif self.mode == M_ZENFS:
-            rc = self._d_zenfs(v, s, life, can_new)
-        elif self.mode == M_EQUAL:
-            rc = self._d_equal(v, s, d, fnow, can_new)
-        elif self.mode == M_ISOLATE:
-            rc = self._d_isolate(v, s, d, fnow, gid, can_new)
-        else:
-            rc = self._d_retainz(v, s, d, fnow, window, can_new)
-        fin = [self.fin[i] for i in range(self.nfin)]
-        for z in fin:
-            self.vfin[z] = 0
-        for z in excl:
-            self.skip[z] = 0
+                    wz = z
+        cdef int rc = p.decide(v, s, d, fnow, window, life, gid, can_new, tails_only, wz)
+        fin = p.done(excl)
         if rc < 0:
             self.n_nospace += 1
             raise NoSpace(f"no zone can take {s} bytes (policy {self.policy}, "
                           f"{v.n_empty} empty, reserve {self.gc_reserve})", fin)
-        self.n_finish += self.nfin
-        if self.out_kind == K_NEW:
+        self.n_finish += p.nfin
+        if p.out_kind == K_NEW:
             self.n_new += 1
-        elif self.out_kind == K_FALLBACK:
+        elif p.out_kind == K_FALLBACK:
             self.n_fallback += 1
-        self.pend_zone = self.out_zone
+        self.pend_zone = p.out_zone
         self.pend_gen = gid
         self.pend_life = life
         if self.mode == M_ZENFS and writer is not None:
             self.writers.pop(writer, None)
-            self.writers[writer] = (self.out_zone, self.rgen[self.out_zone])
+            self.writers[writer] = (p.out_zone, self.s.rgen[p.out_zone])
             if len(self.writers) > 4096:          # writers that were never released
                 del self.writers[next(iter(self.writers))]
-        return (self.out_zone, self.out_nbytes, fin)
+        return (p.out_zone, p.out_nbytes, fin)
 
     def release_writer(self, writer):
         """The writer (file) was closed: its next write allocates afresh (zenfs)."""
         self.writers.pop(writer, None)
-
-    cdef int _next_empty(self, ZView *v, int start):
-        """Lowest-index empty, non-excluded data zone (slow path, only with ``exclude``)."""
-        cdef int z
-        for z in range(max(start, self.first_data_zone), self.nr_zones):
-            if v.cond[z] == C_EMPTY and not self.skip[z]:
-                return z
-        return -1
 
     def note_write(self, zone, nbytes, hint, live=True, *, stream=None, birth=None):
         """``nbytes`` were appended to ``zone`` (``live=False``: padding, counts in W only).
@@ -1043,35 +1282,18 @@ cdef class Allocator:
         cdef int32_t gid
         cdef int8_t life
         try:
-            if n < 0:
-                raise ValueError("note_write(): negative size")
-            if n == 0:
+            if not self.s.check_write(z, n):
                 return
-            if self.cv.cond[z] == C_FULL:
-                raise ValueError(f"note_write(): zone {z} is full/finished")
-            if self.cv.W[z] + n > self.zone_capacity:
-                raise ValueError(f"note_write(): zone {z}: {self.cv.W[z]} + {n} bytes exceed "
-                                 f"capacity {self.zone_capacity}")
             if birth is not None:
-                gid = self._gen(0 if stream is None else stream, birth)
-                life = self._life_class(d, float(birth))
+                gid = self.st.gen(0 if stream is None else stream, birth)
+                life = self.st.life_class(d, float(birth))
             elif z == self.pend_zone:
                 gid = self.pend_gen
                 life = self.pend_life
             else:
                 gid = -1
                 life = L_NOT_SET
-            _sum_write(&self.cv, z, n, d, live, gid, life)
-            if self.cv.cond[z] == C_EMPTY:
-                self.cv.cond[z] = C_ACTIVE
-                self._emap_clear(z)
-                self.cv.n_empty -= 1
-                self._act_add(z)
-            if self.cv.W[z] >= self.zone_capacity:
-                self.cv.cond[z] = C_FULL
-                self._act_remove(z)
-            if self.fullscan:
-                self.hist[z].append((0, n, d, bool(live), gid, life))
+            self.s.write(z, n, d, live, gid, life)
         finally:
             self.n_notes += 1
             self.note_ns += _now_ns() - t0
@@ -1083,18 +1305,7 @@ cdef class Allocator:
         cdef int64_t n = nbytes
         cdef double d = self._hint(hint)
         try:
-            if n < 0:
-                raise ValueError("note_dead(): negative size")
-            if n == 0:
-                return
-            if self.cv.L[z] < n:
-                raise ValueError(f"note_dead(): zone {z} has {self.cv.L[z]} live bytes < {n}")
-            if d != INFINITY and self.cv.S[z] < n:
-                raise ValueError(f"note_dead(): zone {z} has {self.cv.S[z]} live finite-hint "
-                                 f"bytes < {n} (hint {hint!r} differs from the written one?)")
-            _sum_dead(&self.cv, z, n, d)
-            if self.fullscan:
-                self.hist[z].append((1, n, d))
+            self.s.dead(z, n, d, hint)
         finally:
             self.n_notes += 1
             self.note_ns += _now_ns() - t0
@@ -1104,16 +1315,7 @@ cdef class Allocator:
         cdef int64_t t0 = _now_ns()
         cdef int z = self._zone(zone)
         try:
-            if self.cv.cond[z] == C_EMPTY:
-                self._emap_clear(z)
-                self.cv.n_empty -= 1
-            elif self.cv.cond[z] == C_ACTIVE:
-                self._act_remove(z)
-            elif self.cv.cond[z] == C_FULL:
-                return
-            self.cv.cond[z] = C_FULL
-            if self.fullscan:
-                self.hist[z].append((2,))
+            self.s.finish(z)
         finally:
             self.n_notes += 1
             self.note_ns += _now_ns() - t0
@@ -1123,18 +1325,9 @@ cdef class Allocator:
         cdef int64_t t0 = _now_ns()
         cdef int z = self._zone(zone)
         try:
-            if self.cv.cond[z] == C_ACTIVE:
-                self._act_remove(z)
-            if self.cv.cond[z] != C_EMPTY:
-                self.cv.cond[z] = C_EMPTY
-                self._emap_set(z)
-                self.cv.n_empty += 1
-            _sum_clear(&self.cv, z)
-            self.rgen[z] += 1
+            self.s.reset(z)
             if self.pend_zone == z:
                 self.pend_zone = -1
-            if self.fullscan:
-                self.hist[z] = []
         finally:
             self.n_notes += 1
             self.note_ns += _now_ns() - t0
@@ -1144,56 +1337,28 @@ cdef class Allocator:
         summary (or condition / active / empty bookkeeping) differs.  [] when consistent."""
         if not self.fullscan:
             raise RuntimeError("check_summaries() needs fullscan=True (it uses the history)")
-        self._rebuild()
-        cdef ZView *a = &self.cv
-        cdef ZView *b = &self.fv
-        cdef int z
-        bad = []
-        for z in range(self.first_data_zone, self.nr_zones):
-            if (a.W[z] != b.W[z] or a.L[z] != b.L[z] or a.S[z] != b.S[z] or a.D[z] != b.D[z]
-                    or a.minh[z] != b.minh[z] or a.maxh[z] != b.maxh[z]
-                    or a.anchor[z] != b.anchor[z] or a.cond[z] != b.cond[z]
-                    or a.owner[z] != b.owner[z] or a.life[z] != b.life[z]
-                    or (a.cond[z] == C_ACTIVE) != (self.pos[z] >= 0)
-                    or (a.cond[z] == C_EMPTY) != bool((self.emap[z >> 6] >> (z & 63)) & 1)):
-                bad.append(z)
-        if a.n_act != b.n_act or a.n_empty != b.n_empty:
-            bad.append(-1)
-        return bad
+        return self.s.check()
 
     def summary(self, zone):
         """Cached summary of a data zone: dict(W, L, S, D, minh, maxh, anchor, cond, R, free,
         owner, lifetime).  minh/maxh are None without finite data; R see zone_reclaim_epoch."""
-        cdef int z = self._zone(zone)
-        cdef ZView *v = &self.cv
-        has = v.maxh[z] != -INFINITY
-        return {"W": v.W[z], "L": v.L[z], "S": v.S[z], "D": v.D[z],
-                "minh": v.minh[z] if has else None, "maxh": v.maxh[z] if has else None,
-                "anchor": bool(v.anchor[z]), "cond": _COND_NAMES[v.cond[z]],
-                "R": self._reclaim(z), "free": self._free(v, z),
-                "owner": v.owner[z], "lifetime": WLTH_NAMES[v.life[z]]}
-
-    cdef double _reclaim(self, int z):
-        if self.cv.anchor[z]:
-            return INFINITY
-        return self.cv.maxh[z]
+        return self.s.summary(self._zone(zone))
 
     def zone_reclaim_epoch(self, zone):
         """R of a zone: max finite hint written since reset, inf with an anchor, -inf if it
         holds no hinted data (e.g. empty)."""
-        return self._reclaim(self._zone(zone))
+        return self.s.reclaim(self._zone(zone))
 
     def empty_zones(self):
         """Number of empty data zones (the GC reserve included)."""
-        return self.cv.n_empty
+        return self.s.cv.n_empty
 
     def empty_zone_list(self):
-        return [z for z in range(self.first_data_zone, self.nr_zones)
-                if self.cv.cond[z] == C_EMPTY]
+        return self.s.empty_list()
 
     def active_zones(self):
         """Active data zones (0 < W < C, not finished), ascending."""
-        return sorted(self.cv.act[i] for i in range(self.cv.n_act))
+        return self.s.active_list()
 
     def victims(self, n, exclude=()):
         """Up to ``n`` GC victim candidates: full zones and active zones not in ``exclude``
@@ -1201,40 +1366,26 @@ cdef class Allocator:
         most space gained (greedy: the gain is what the reset frees beyond the copies), then
         least live bytes (copy cost), then *latest* reclaim epoch first (a zone that empties
         soon on its own is the worse victim), then zone index."""
-        ex = set(exclude)
-        cdef ZView *v = &self.cv
-        cands = []
-        cdef int z
-        for z in range(self.first_data_zone, self.nr_zones):
-            if v.cond[z] == C_FULL:
-                gain = self.zone_capacity - v.L[z]
-            elif v.cond[z] == C_ACTIVE and z not in ex:
-                gain = v.W[z] - v.L[z]
-            else:
-                continue
-            if gain > 0:
-                cands.append((-gain, v.L[z], -self._reclaim(z), z))
-        cands.sort()
-        return [c[3] for c in cands[:n]]
+        return self.s.victims(n, exclude)
 
     def cost(self, zone, size, hint, now):
         """RetainZ cost of placing ``min(size, free)`` bytes with ``hint`` into ``zone``
         (cached summary, this policy's lam / DBT switch)."""
         cdef int z = self._zone(zone)
         cdef int64_t s = size
-        cdef int64_t fr = self._free(&self.cv, z)
-        return self._rz_cost(&self.cv, z, s if s < fr else fr, self._hint(hint), float(now))
+        cdef int64_t fr = self.s.free_bytes(z)
+        return self.p._rz_cost(&self.s.cv, z, s if s < fr else fr, self._hint(hint), float(now))
 
     def new_zone_cost(self, size, hint, now):
-        return self._new_cost(size, self._hint(hint), float(now))
+        return self.p._new_cost(size, self._hint(hint), float(now))
 
     def span_window(self, size, hint, birth, stream=0, save_size=0):
         """Span window a place() with these arguments would use (does not learn the cadence)."""
-        return self._window(self._hint(hint), float(birth), stream, size, save_size)
+        return self.st.window(self._hint(hint), float(birth), stream, size, save_size)
 
     def lifetime_class(self, hint, birth):
         """ZenFS write-lifetime class name of data with this hint and birth."""
-        return WLTH_NAMES[self._life_class(self._hint(hint), float(birth))]
+        return WLTH_NAMES[self.st.life_class(self._hint(hint), float(birth))]
 
     def round_hint(self, hint):
         return self._hint(hint)
@@ -1243,8 +1394,8 @@ cdef class Allocator:
     def last_decision(self):
         """What the last successful place() did: kind existing|new|fallback, cost, window,
         lifetime class."""
-        return {"zone": self.out_zone, "nbytes": self.out_nbytes,
-                "kind": _KIND_NAMES[self.out_kind], "cost": self.out_cost,
+        return {"zone": self.p.out_zone, "nbytes": self.p.out_nbytes,
+                "kind": _KIND_NAMES[self.p.out_kind], "cost": self.p.out_cost,
                 "window": self.last_window, "lifetime": WLTH_NAMES[self.last_life]}
 
     def stats(self):
@@ -1257,4 +1408,4 @@ cdef class Allocator:
                 "mean_place_us": (self.place_ns / self.n_places / 1000.0) if self.n_places else 0.0,
                 "new_zones": self.n_new, "finishes": self.n_finish,
                 "fallbacks": self.n_fallback, "nospace": self.n_nospace,
-                "active": self.cv.n_act, "empty": self.cv.n_empty}
+                "active": self.s.cv.n_act, "empty": self.s.cv.n_empty}
