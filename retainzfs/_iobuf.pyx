@@ -126,7 +126,6 @@ cdef class AlignedBuf:
     cdef int cls
     cdef Py_ssize_t start, length
     cdef Py_ssize_t shape[1]
-    cdef int exports
 
     def __cinit__(self, size_t n):
         cdef void *p = NULL
@@ -176,10 +175,7 @@ cdef class AlignedBuf:
         view.strides = NULL
         view.suboffsets = NULL
         view.internal = NULL
-        self.exports += 1
 
-    def __releasebuffer__(self, Py_buffer *view):
-        self.exports -= 1
 
 
 def pread_aligned(int fd, long long off, Py_ssize_t length, Py_ssize_t align):
@@ -212,6 +208,20 @@ def pread_aligned(int fd, long long off, Py_ssize_t length, Py_ssize_t align):
     return b
 
 
+cdef int _write_all(int fd, const char *buf, Py_ssize_t n, long long off) noexcept nogil:
+    """pwrite all ``n`` bytes (retrying EINTR and short writes); 0 or the errno."""
+    cdef Py_ssize_t w = 0
+    cdef ssize_t r
+    while w < n:
+        r = pwrite(fd, buf + w, n - w, off + w)
+        if r < 0 and errno == EINTR:
+            continue
+        if r <= 0:
+            return errno if r < 0 else 5          # EIO: a zero-byte write
+        w += r
+    return 0
+
+
 def gather_pwrite(int fd, long long off, parts, Py_ssize_t n, AlignedBuf scratch):
     """Write the first ``n`` bytes of the buffers ``parts`` at ``off`` through ``scratch``
     (aligned; ``off`` and every chunk's length a multiple of the caller's alignment), copying
@@ -219,8 +229,7 @@ def gather_pwrite(int fd, long long off, parts, Py_ssize_t n, AlignedBuf scratch
     OSError with the write's errno."""
     cdef Py_buffer pb
     cdef Py_ssize_t cap = <Py_ssize_t>scratch.cap
-    cdef Py_ssize_t fill = 0, done = 0, take, pos, plen, w
-    cdef ssize_t r
+    cdef Py_ssize_t fill = 0, done = 0, take, pos, plen
     cdef int err = 0
     cdef char *src
     for p in parts:
@@ -238,15 +247,7 @@ def gather_pwrite(int fd, long long off, parts, Py_ssize_t n, AlignedBuf scratch
                     fill += take
                     pos += take
                     if fill == cap:
-                        w = 0
-                        while w < fill:
-                            r = pwrite(fd, scratch.mem + w, fill - w, off + done + w)
-                            if r < 0 and errno == EINTR:
-                                continue
-                            if r <= 0:
-                                err = errno if r < 0 else _errno_EIO()
-                                break
-                            w += r
+                        err = _write_all(fd, scratch.mem, fill, off + done)
                         if err:
                             break
                         done += fill
@@ -257,23 +258,13 @@ def gather_pwrite(int fd, long long off, parts, Py_ssize_t n, AlignedBuf scratch
             raise OSError(err, f"direct write at {off + done}")
     if fill:
         with nogil:
-            w = 0
-            while w < fill:
-                r = pwrite(fd, scratch.mem + w, fill - w, off + done + w)
-                if r < 0 and errno == EINTR:
-                    continue
-                if r <= 0:
-                    err = errno if r < 0 else _errno_EIO()
-                    break
-                w += r
+            err = _write_all(fd, scratch.mem, fill, off + done)
         if err:
             raise OSError(err, f"direct write at {off + done}")
         done += fill
     return done
 
 
-cdef int _errno_EIO() noexcept nogil:
-    return 5
 
 
 def crc32c(data, unsigned int value=0):

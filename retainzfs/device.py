@@ -307,22 +307,18 @@ class ZonedDevice(ABC):
 
         Bytes past the write pointer read as zeros on an image (a real device may differ).
         """
-        if not 0 <= zone < self.nr_zones:
-            raise _err(errno.EINVAL, f"zone {zone} out of range (0..{self.nr_zones - 1})")
-        if self._cond[zone] == _OFFLINE:
-            raise _err(errno.EIO, f"zone {zone} is OFFLINE: cannot read")
-        if offset < 0 or length < 0 or offset + length > self._cap[zone]:
-            raise _err(errno.EINVAL, f"zone {zone}: read of {length} bytes at {offset} is "
-                                     f"outside the zone capacity {self._cap[zone]}")
-        if not length:
-            return b""
-        return self._io_read(zone, offset, length)
+        self._check_read(zone, offset, length)
+        return self._io_read(zone, offset, length) if length else b""
 
     def read_view(self, zone: int, offset: int, length: int) -> Buffer:
         """``read``, as any buffer: on the O_DIRECT path the aligned buffer the device read
         into, with no copy to a ``bytes`` (the FUSE reply is taken from it)."""
         if not self._view_reads:
             return self.read(zone, offset, length)
+        self._check_read(zone, offset, length)
+        return self._io_read_view(zone, offset, length) if length else b""
+
+    def _check_read(self, zone: int, offset: int, length: int) -> None:
         if not 0 <= zone < self.nr_zones:
             raise _err(errno.EINVAL, f"zone {zone} out of range (0..{self.nr_zones - 1})")
         if self._cond[zone] == _OFFLINE:
@@ -330,9 +326,6 @@ class ZonedDevice(ABC):
         if offset < 0 or length < 0 or offset + length > self._cap[zone]:
             raise _err(errno.EINVAL, f"zone {zone}: read of {length} bytes at {offset} is "
                                      f"outside the zone capacity {self._cap[zone]}")
-        if not length:
-            return b""
-        return self._io_read_view(zone, offset, length)
 
     def reset(self, zone: int) -> None:
         """Rewind the zone: wp = 0, EMPTY, resources released.  Resetting EMPTY is a no-op."""

@@ -296,7 +296,7 @@ class RetainzOperations(pyfuse3.Operations):
     @_fuse_errors
     async def read(self, fh, off, size):
         ino = self._ino(fh)
-        data = self.store.data.read_cached(ino, off, size)     # read ahead: on the loop
+        data = self.store.read_cached(ino, off, size)     # read ahead: on the loop
         if data is not None:
             return data
         return await _run(self.store.read, ino, off, size, True)   # any buffer

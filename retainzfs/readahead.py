@@ -55,13 +55,13 @@ class _Seg:
 
 
 class _File:
-    __slots__ = ("last_end", "streak", "segs", "pf_start", "pf_end", "pending")
+    __slots__ = ("last_end", "streak", "segs", "pf_end", "pending")
 
     def __init__(self) -> None:
         self.last_end = -1                 # end of the previous request (sequential test)
         self.streak = 0                    # bytes read in sequence up to last_end
         self.segs: list[_Seg] = []
-        self.pf_start = self.pf_end = 0    # file range read ahead (done or pending)
+        self.pf_end = 0                    # end of the file range read ahead (done or pending)
         self.pending: list[tuple[int, int, Future]] = []   # (start, end, future) in flight
 
 
@@ -141,7 +141,7 @@ class ReadAhead:
             if f.streak >= START:
                 pos = off + size
                 if not any(a <= pos < b for a, b, _ in f.pending):
-                    f.pf_start = f.pf_end = pos          # nothing held or coming for it:
+                    f.pf_end = pos                       # nothing held or coming for it:
                     f.segs = []                          # the windows start again here
                 nxt = self._windows(f, pos)
         for w in nxt:

@@ -271,6 +271,7 @@ class Store:
     _flush_data = _Via("files", "flush_data")
     # data path, datapath.DataPath
     read = _Via("data")
+    read_cached = _Via("data")
     declare_save = _Via("data")
     # reclaim, reclaim.Reclaim
     reset_empty_zones = _Via("reclaim")

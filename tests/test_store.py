@@ -154,17 +154,23 @@ def test_enospc_keeps_committed(tmp_path):
     dev.close()
 
 
-def test_gc_relocates_and_keeps_data(tmp_path):
+def _half_dead_zones(tmp_path, seed):
+    """A store whose zones hold long- and short-lived files interleaved, the short ones
+    deleted: half-dead zones that GC can compact.  Returns (path, dev, store, kept files)."""
     path, dev, s = fresh(tmp_path, size=16 * MiB, zone=1 * MiB)
-    rng = random.Random(3)
+    rng = random.Random(seed)
     files = {}
-    # interleave long-lived and short-lived files in the same zones, then delete the short ones
     for i in range(40):
         d = rng.randbytes(200_000)
         files[i] = (put(s, 1, f"f{i}".encode(), d), d)
     for i in range(0, 40, 2):
         s.unlink(1, f"f{i}".encode())
         del files[i]
+    return path, dev, s, files, rng
+
+
+def test_gc_relocates_and_keeps_data(tmp_path):
+    path, dev, s, files, rng = _half_dead_zones(tmp_path, 3)
     # now write more than the free zones hold: GC must compact the half-dead zones
     for i in range(40, 70):
         d = rng.randbytes(200_000)
@@ -183,15 +189,7 @@ def test_gc_that_cannot_copy_leaves_its_victim_counted(tmp_path, caplog):
     """GC copies are placed apart from user writes (reserve allowed, no GC of their own, no
     save accounting): a copy with no room stops the pass without a user-visible ENOSPC, but
     is not silent either: ``gc_aborted`` in status and a log line; the data stay intact."""
-    path, dev, s = fresh(tmp_path, size=16 * MiB, zone=1 * MiB)
-    rng = random.Random(4)
-    files = {}
-    for i in range(40):
-        d = rng.randbytes(200_000)
-        files[i] = (put(s, 1, f"f{i}".encode(), d), d)
-    for i in range(0, 40, 2):
-        s.unlink(1, f"f{i}".encode())
-        del files[i]
+    path, dev, s, files, _ = _half_dead_zones(tmp_path, 4)
 
     def no_room(*a, **kw):
         raise FsError(errno.ENOSPC)
