@@ -314,6 +314,29 @@ class DataPath:
             self.finish_zone_iolocked(z)
         return zone, nbytes
 
+    def _relocate_locked(self, ino: int, copy_from, pos: int, payload: int, zone: int,
+                         zg: int, zoff: int, reclaim) -> None:
+        """RELOCATE records for bytes [pos, pos+payload) of a GC copy's packed segments, now
+        at ``zone``/``zoff``: the victim's bytes die where the extent moved, the copy's where
+        the file changed meanwhile."""
+        s = self.s
+        victim, segs = copy_from
+        dstart = 0
+        end = pos + payload
+        for foff, length, vzoff in segs:
+            a, b = max(pos, dstart), min(end, dstart + length)
+            if a < b:
+                d = a - dstart
+                if s.do_locked(R.RELOCATE, R.pack_relocate(ino, foff + d, b - a, victim,
+                                                           vzoff + d, zone, zg,
+                                                           zoff + a - pos)):
+                    s.alloc.note_dead(victim, b - a, reclaim)
+                else:
+                    s.reclaim.dead_locked([(zone, b - a, reclaim)])
+            dstart += length
+            if dstart >= end:
+                break
+
     # ------------------------------------------------------------------ THE write loop
     def write_iolocked(self, ino: int, off: int, data: Chunks, hint: H.Hint,
                        copy_from: tuple[int, int] | None = None) -> None:
@@ -321,10 +344,13 @@ class DataPath:
         needed: place, pad to blocks, open slot, checksum, write, note, journal.
 
         ``copy_from=None``: file data, placed by ``place_iolocked``; each piece becomes an
-        EXTENT record (what it overwrites is dead).  ``copy_from=(victim, victim_zoff)``: a GC
-        copy of bytes now at ``victim``, placed by ``place_copy_iolocked``; each piece becomes a
-        RELOCATE record that moves the extent if it still maps those bytes (else the copy is
-        dead at once)."""
+        EXTENT record (what it overwrites is dead).  ``copy_from=(victim, segs)``: a GC copy,
+        placed by ``place_copy_iolocked``, where ``data`` is the concatenation of the segments
+        ``segs`` = [(file_off, length, victim_zoff)] of inode ``ino`` (``off`` unused) packed
+        with no padding between them, so a file written in many small pieces is not copied
+        block-padded piece by piece (which would free nothing).  Each segment (split where
+        a zone ends) becomes a RELOCATE record that moves the extent if it still maps those
+        bytes (else that part of the copy is dead at once)."""
         s = self.s
         assert s.io_lock._is_owned(), "write_iolocked without io_lock"
         bs = s.bs
@@ -365,11 +391,6 @@ class DataPath:
                         s.reclaim.dead_locked(s.do_locked(R.EXTENT, R.pack_extent(
                             ino, off + pos, zone, zg, zoff, payload, reclaim)))
                 else:
-                    victim, vzoff = copy_from
                     stats["gc_copied_bytes"] += nbytes
-                    if s.do_locked(R.RELOCATE, R.pack_relocate(ino, off + pos, payload, victim,
-                                                               vzoff + pos, zone, zg, zoff)):
-                        s.alloc.note_dead(victim, payload, reclaim)
-                    else:
-                        s.reclaim.dead_locked([(zone, payload, reclaim)])
+                    self._relocate_locked(ino, copy_from, pos, payload, zone, zg, zoff, reclaim)
             pos += payload

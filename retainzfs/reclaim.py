@@ -11,7 +11,10 @@ Owns the set of zones waiting for a reset (``pending``) and THE reset sequence
 4. under ``Store.lock``: allocator summaries, counters, out-of-service marks.
 
 GC picks victims from the allocator's summaries and moves their live extents through the data
-path's write loop (``DataPath.write_iolocked`` with ``copy_from``).
+path's write loop (``DataPath.write_iolocked`` with ``copy_from``).  A victim must free at least
+``GC_MIN_GAIN`` of a zone beyond its copies: on a device full of nearly-live zones (a few KiB of
+padding dead in each) a pass would copy a whole zone to free a few KiB, the writer would use
+them at once, and GC would run without end instead of the writer getting ENOSPC.
 """
 from __future__ import annotations
 
@@ -25,11 +28,25 @@ from .writebuf import Chunks
 
 log = logging.getLogger("retainzfs")
 
+GC_MIN_GAIN = 1 / 8     # of a zone's capacity: at most 7 bytes copied per byte a GC pass frees
+
 
 class Reclaim:
     def __init__(self, store):
         self.s = store
         self.pending: set[int] = set()
+
+    @property
+    def min_gain(self) -> int:
+        """Bytes a GC victim must free beyond its copies (at least one block)."""
+        s = self.s
+        return max(s.bs, int(s.cap * GC_MIN_GAIN) // s.bs * s.bs)
+
+    def gain_locked(self, z: int) -> int:
+        """Space a reset of ``z`` frees beyond the copies of its live bytes: the dead bytes
+        written (an active zone's unwritten tail is free already)."""
+        sm = self.s.alloc.summary(z)
+        return (self.s.cap if sm["cond"] == "full" else sm["W"]) - sm["L"]
 
     def dead_locked(self, pieces) -> None:
         """Account superseded/freed bytes; queue zones that hold no live data for reset."""
@@ -98,37 +115,76 @@ class Reclaim:
         return zones
 
     def gc_once_iolocked(self) -> bool:
-        """Copy the live data out of the best victim zone and reset it."""
+        """Copy the live data out of the best victim zone and reset it; False when no zone
+        would free ``GC_MIN_GAIN`` of a zone beyond what its copies take (the device is full:
+        the caller's ENOSPC)."""
         s = self.s
         assert s.io_lock._is_owned(), "gc_once_iolocked without io_lock"
         with s.lock:
-            victims = [z for z in s.alloc.victims(8) if s.alloc.summary(z)["L"] < s.cap
+            victims = [z for z in s.alloc.victims(8) if self.gain_locked(z) >= self.min_gain
                        and z not in s.bad_zones]
         for victim in victims:
             with s.lock:
-                moves = [(i.ino, e.off, e.length, e.zoff, e.hint, i.hint or H.UNHINTED)
-                         for i in s.inodes.values() for e in i.extents.in_zone(victim)]
-                live = sum(m[2] for m in moves)
-                if live >= s.cap:
+                groups = self.copy_groups_locked(victim)
+                cost = sum(-(-sum(g[1] for g in segs) // s.bs) * s.bs
+                           for segs in groups.values())
+                if s.cap - cost < self.min_gain:
                     continue
                 s.stats["gc_runs"] += 1
-            ok = True
-            for ino, off, length, zoff, hint, ih in moves:
+            if self._copy_out_iolocked(victim, groups) and self.reset_zones_iolocked([victim]):
+                return True
+        return False
+
+    def copy_groups_locked(self, victim: int) -> dict:
+        """The victim's live extents by (inode, extent hint), in file order: each group is
+        copied packed, one padded tail per group (a file's many small pieces stay dense)."""
+        s = self.s
+        groups: dict = {}
+        for i in s.inodes.values():
+            for e in i.extents.in_zone(victim):
+                key = (i.ino, e.hint, i.hint or H.UNHINTED)
+                groups.setdefault(key, []).append((e.off, e.length, e.zoff))
+        return groups
+
+    def _copy_out_iolocked(self, victim: int, groups: dict) -> bool:
+        """Verified reads of each group, written packed through THE write loop in batches of
+        at most ``COPY_BATCH`` bytes that end on a block (no padding inside a group)."""
+        s = self.s
+        for (ino, hint, ih), segs in groups.items():
+            for batch in _batches(segs, COPY_BATCH, s.bs):
                 try:
                     # verified before it is written elsewhere: GC never launders bad bytes
-                    data = s.data.verified_read(victim, zoff, length, ino, off)
-                    s.data.write_iolocked(ino, off, Chunks([data]),
+                    data = Chunks([s.data.verified_read(victim, vz, ln, ino, off)
+                                   for off, ln, vz in batch])
+                    s.data.write_iolocked(ino, batch[0][0], data,
                                           H.Hint(ih.birth, hint, ih.stream, "gc"),
-                                          copy_from=(victim, zoff))
+                                          copy_from=(victim, batch))
                 except FsError as e:
                     # no room for the copy (the reserve is full too) or a checksum error: the
                     # victim stays as it is, counted and logged, never a user's ENOSPC
                     with s.lock:
                         s.stats["gc_aborted"] += 1
                     log.warning("GC of zone %d stopped at inode %d offset %d: %s", victim, ino,
-                                off, errno.errorcode.get(e.errno, e.errno))
-                    ok = False
-                    break
-            if ok and self.reset_zones_iolocked([victim]):
-                return True
-        return False
+                                batch[0][0], errno.errorcode.get(e.errno, e.errno))
+                    return False
+        return True
+
+
+COPY_BATCH = 8 << 20    # bytes of one GC copy write: bounded memory on zones of a GiB
+
+
+def _batches(segs: list, limit: int, bs: int):
+    """Split segments [(file_off, length, zoff)] into runs of at most ``limit`` bytes; every
+    run but the last ends on a multiple of ``bs`` (a segment is cut where needed)."""
+    batch, n = [], 0
+    for off, ln, zoff in segs:
+        while ln:
+            take = ln if n + ln <= limit else (limit - n)
+            batch.append((off, take, zoff))
+            n += take
+            off, ln, zoff = off + take, ln - take, zoff + take
+            if n >= limit:
+                yield batch
+                batch, n = [], 0
+    if batch:
+        yield batch

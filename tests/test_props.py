@@ -227,3 +227,31 @@ def test_scatter_write_of_any_part_count(tmp_path_factory, nparts, part):
         assert dev.zone(1).wp == total and dev.read(1, 0, total) == b"".join(parts)
     finally:
         dev.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3 * 4096 + 1), st.integers(0, 4096)), min_size=1,
+                max_size=40),
+       st.sampled_from([4096, 8192, 3 * 4096, 1 << 16]))
+def test_gc_copy_batches_cover_segments_and_end_on_blocks(spec, limit):
+    """GC copies a group's segments packed, in batches of at most ``limit`` bytes that end on
+    a block (no padding inside a group): every byte once, in order, offsets carried along."""
+    from retainzfs.reclaim import _batches
+    segs, off, zoff = [], 0, 0
+    for ln, gap in spec:
+        segs.append((off, ln, zoff))
+        off += ln + gap
+        zoff += ln + 4096 - ln % 4096       # never contiguous in both: merging is unique
+    batches = list(_batches(segs, limit, 4096))
+    flat = [p for b in batches for p in b]
+    assert all(sum(p[1] for p in b) <= limit for b in batches)
+    assert all(sum(p[1] for p in b) % 4096 == 0 for b in batches[:-1])
+    # pieces of one segment are consecutive and continue both offsets
+    merged = []
+    for o, ln, z in flat:
+        assert ln > 0
+        if merged and merged[-1][0] + merged[-1][1] == o and merged[-1][2] + merged[-1][1] == z:
+            merged[-1] = (merged[-1][0], merged[-1][1] + ln, merged[-1][2])
+        else:
+            merged.append((o, ln, z))
+    assert merged == segs
