@@ -19,7 +19,7 @@ from . import records as R
 from ._alloc import NoSpace
 from .csums import ZoneChecksums, crcs_of
 from .device import ZoneCond
-from .errors import FsError
+from .errors import FsError, StaleRead
 from .readahead import ReadAhead
 from .writebuf import Chunks
 
@@ -40,48 +40,68 @@ class DataPath:
     # ------------------------------------------------------------------ reads
     def read(self, ino: int, off: int, size: int, view: bool = False) -> Buffer:
         """Bytes of a file; with ``view`` any buffer (the FUSE reply: on the O_DIRECT path the
-        device's own read buffer, no copy), else ``bytes``."""
+        device's own read buffer, no copy), else ``bytes``.
+
+        Lock-free against resets (a seqlock on the zone generations): the extents' zones and
+        their generations are taken under ``Store.lock``, the device is read with no lock, and
+        the read is done again from the lookup if a zone's generation moved meanwhile (a reset
+        began: what was read may be the zone's next contents).  So a reset never waits for
+        readers and readers never wait for a reset."""
         s = self.s
         ra = self.ra
-        for attempt in (0, 1):
-            with s.lock:
-                inode = s.ns.get_locked(ino)
-                if off >= inode.size or size <= 0:
-                    return b""
-                size = min(size, inode.size - off)
-                segs = inode.extents.lookup(off, size)
-                overlay = None
-                if inode.has_buffered():
-                    bo, bl = inode.wbuf.off, len(inode.wbuf)
-                    lo, hi = max(bo, off), min(bo + bl, off + size)
-                    if hi > lo:
-                        overlay = (lo - off, inode.wbuf.slice(lo, hi))
-                else:
-                    hit = ra.hit_locked(ino, off, size, segs)
-                    if hit is not None:
-                        return hit if view else bytes(hit)
-                if attempt == 0:
-                    fut = ra.pending_for(ino, off, size)
+        while True:
+            for attempt in (0, 1):
+                with s.lock:
+                    inode = s.ns.get_locked(ino)
+                    if off >= inode.size or size <= 0:
+                        return b""
+                    size = min(size, inode.size - off)
+                    segs = inode.extents.lookup(off, size)
+                    overlay = None
+                    if inode.has_buffered():
+                        bo, bl = inode.wbuf.off, len(inode.wbuf)
+                        lo, hi = max(bo, off), min(bo + bl, off + size)
+                        if hi > lo:
+                            overlay = (lo - off, inode.wbuf.slice(lo, hi))
+                    else:
+                        hit = ra.hit_locked(ino, off, size, segs)
+                        if hit is not None:
+                            return hit if view else bytes(hit)
+                    fut = ra.pending_for(ino, off, size) if attempt == 0 else None
                     if fut is None:
-                        zones = self.enter_zones({seg[1] for seg in segs})
+                        gens = self.gens_locked(segs)
                         break
+                fut.result()              # a window being read covers it: wait, look again
+            ra.note_miss(ino, off, size)
+            try:
+                if len(segs) == 1 and segs[0][0] == 0 and segs[0][3] == size and overlay is None:
+                    data = self.verified_read(segs[0][1], segs[0][2], size, ino, off, gens)
+                    out = data if view or type(data) is bytes else bytes(data)
                 else:
-                    zones = self.enter_zones({seg[1] for seg in segs})
-                    break
-            fut.result()                  # a window being read covers it: wait, look again
-        ra.note_miss(ino, off, size)
-        try:
-            if len(segs) == 1 and segs[0][0] == 0 and segs[0][3] == size and overlay is None:
-                data = self.verified_read(segs[0][1], segs[0][2], size, ino, off)
-                return data if view or type(data) is bytes else bytes(data)
-            out = bytearray(size)
-            for dst, zone, zoff, length in segs:
-                out[dst:dst + length] = self.verified_read(zone, zoff, length, ino, off + dst)
-        finally:
-            self.leave_zones(zones)
-        if overlay is not None:
-            out[overlay[0]:overlay[0] + len(overlay[1])] = overlay[1]
-        return out if view else bytes(out)
+                    out = bytearray(size)
+                    for dst, zone, zoff, length in segs:
+                        out[dst:dst + length] = self.verified_read(zone, zoff, length, ino,
+                                                                   off + dst, gens)
+            except StaleRead:
+                continue
+            if not self.gens_hold(gens):
+                continue
+            if overlay is not None:
+                out[overlay[0]:overlay[0] + len(overlay[1])] = overlay[1]
+            return out if view or type(out) is bytes else bytes(out)
+
+    def gens_locked(self, segs) -> dict[int, int]:
+        """The generations of the zones under ``segs`` (lookup results), for ``gens_hold``."""
+        zgen = self.s.zgen
+        return {seg[1]: zgen[seg[1]] for seg in segs}
+
+    def gens_hold(self, gens: dict[int, int]) -> bool:
+        """No zone of ``gens`` began a reset since they were taken: bytes read from them are
+        the bytes the lookup meant (a reset moves the generation on before it destroys)."""
+        s = self.s
+        with s.lock:
+            zgen = s.zgen
+            return all(zgen[z] == g for z, g in gens.items())
 
     def read_cached(self, ino: int, off: int, size: int) -> Buffer | None:
         """A read answered from the readahead windows (CPU only, for the event loop), or None:
@@ -93,28 +113,6 @@ class DataPath:
                 return None
             size = min(size, inode.size - off)
             return self.ra.hit_locked(ino, off, size, inode.extents.lookup(off, size))
-
-    def enter_zones(self, zones) -> list[int]:
-        """Count a read of ``zones`` in flight: a reset of one of them waits for it."""
-        s = self.s
-        zones = list(zones)
-        rd = s._zone_readers
-        with s._readers_cv:
-            for z in zones:
-                rd[z] = rd.get(z, 0) + 1
-        return zones
-
-    def leave_zones(self, zones: list[int]) -> None:
-        s = self.s
-        rd = s._zone_readers
-        with s._readers_cv:
-            for z in zones:
-                n = rd[z] - 1
-                if n:
-                    rd[z] = n
-                else:
-                    del rd[z]
-            s._readers_cv.notify_all()
 
     def read_all_locked(self, inode) -> bytes:
         """All of a (small) file: committed extents and buffered bytes (lock held)."""
@@ -128,32 +126,42 @@ class DataPath:
         return bytes(out[:inode.size])
 
     def verified_read(self, zone: int, zoff: int, length: int, ino: int = 0,
-                      file_off: int = 0) -> Buffer:
+                      file_off: int = 0, gens: dict[int, int] | None = None) -> Buffer:
         """Read committed bytes and check them against their CRC32C pieces; EIO on a mismatch
         (logged once per piece with file, offset and zone; counted in ``checksum_errors``).
-        Any buffer (``bytes`` or a view of the device's read buffer): nothing copies it."""
+        Any buffer (``bytes`` or a view of the device's read buffer): nothing copies it.
+        With ``gens`` (a lock-free read, see ``read``): a failure in a zone whose reset began
+        meanwhile is ``StaleRead`` (look up again), never an error or a log line."""
         s = self.s
-        with s.lock:
-            span = s.csums.span(zone, zoff, length)
-        if span is None:
-            self._csum_error(zone, zoff, ino, file_off, "no checksum covers the range")
-        if not span:
-            return self.dev_read(zone, zoff, length)
-        a = ZoneChecksums.piece_range(*span[0])[0]
-        b = ZoneChecksums.piece_range(*span[-1])[1]
-        data = self.dev_read(zone, a, b - a, view=True)
+        try:
+            with s.lock:
+                span = s.csums.span(zone, zoff, length)
+            if span is None:
+                self._csum_error(zone, zoff, ino, file_off, "no checksum covers the range", gens)
+            if not span:
+                return self.dev_read(zone, zoff, length)
+            a = ZoneChecksums.piece_range(*span[0])[0]
+            b = ZoneChecksums.piece_range(*span[-1])[1]
+            data = self.dev_read(zone, a, b - a, view=True)
+        except (FsError, OSError):
+            if gens is not None and not self.gens_hold({zone: gens[zone]}):
+                raise StaleRead() from None
+            raise
         for run, lo, hi in span:
             bad = ZoneChecksums.bad_pieces(run, lo, hi, data, a)
             if bad:
                 self._csum_error(zone, bad[0], ino, file_off + max(0, bad[0] - zoff),
-                                 "checksum mismatch")
+                                 "checksum mismatch", gens)
         if a == zoff and b - a == length:
             return data
         return memoryview(data)[zoff - a:zoff - a + length]
 
-    def _csum_error(self, zone: int, zoff: int, ino: int, file_off: int, what: str) -> None:
+    def _csum_error(self, zone: int, zoff: int, ino: int, file_off: int, what: str,
+                    gens: dict[int, int] | None = None) -> None:
         s = self.s
         with s.lock:
+            if gens is not None and s.zgen[zone] != gens[zone]:
+                raise StaleRead()         # the zone was reset under the read: not corruption
             s.stats["checksum_errors"] += 1
             key = (zone, zoff)
             first = key not in s._bad_pieces
@@ -254,18 +262,21 @@ class DataPath:
                 save_size = max(ent[0], size)
                 remaining = max(ent[0] - ent[1], size)
                 args = (size, hint.reclaim, hint.birth, s.now, hint.stream, save_size)
+                ex = s.reclaim.resetting or None    # their generation moved on already
                 try:
                     zone, nbytes, finish = s.alloc.place(*args, allow_reserve=allow_reserve,
-                                                         writer=writer)
+                                                         writer=writer, exclude=ex)
                 except NoSpace:
                     pass
                 if zone is None and s.opts.common_admission:
                     try:
-                        zone, nbytes, finish = s.alloc.place(*args, tails_only=True)
+                        zone, nbytes, finish = s.alloc.place(*args, tails_only=True,
+                                                             exclude=ex)
                     except NoSpace:
                         if gc_stuck and remaining <= s.cap:
                             try:
-                                zone, nbytes, finish = s.alloc.place(*args, allow_reserve=True)
+                                zone, nbytes, finish = s.alloc.place(*args, allow_reserve=True,
+                                                                     exclude=ex)
                             except NoSpace:
                                 pass
                 if zone is not None:
@@ -298,13 +309,14 @@ class DataPath:
         assert s.io_lock._is_owned(), "place_copy_iolocked without io_lock"
         with s.lock:
             args = (size, hint.reclaim, hint.birth, s.now, hint.stream, 0)
+            ex = [victim, *s.reclaim.resetting]
             try:
-                zone, nbytes, finish = s.alloc.place(*args, allow_reserve=True, exclude=[victim])
+                zone, nbytes, finish = s.alloc.place(*args, allow_reserve=True, exclude=ex)
             except NoSpace:
                 if not s.opts.common_admission:
                     raise FsError(errno.ENOSPC) from None
                 try:        # common admission: copies may fill compatible tails too
-                    zone, nbytes, finish = s.alloc.place(*args, exclude=[victim],
+                    zone, nbytes, finish = s.alloc.place(*args, exclude=ex,
                                                          tails_only=True)
                 except NoSpace:
                     raise FsError(errno.ENOSPC) from None

@@ -9,3 +9,8 @@ class FsError(OSError):
 
     def __init__(self, err: int, msg: str = ""):
         super().__init__(err, msg or os.strerror(err))
+
+
+class StaleRead(Exception):
+    """A lock-free read met a zone whose reset began after its lookup: look up again
+    (``DataPath.read``); never reaches a caller outside the data path."""

@@ -31,7 +31,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from .errors import FsError
+from .errors import FsError, StaleRead
 
 log = logging.getLogger("retainzfs")
 
@@ -197,20 +197,18 @@ class ReadAhead:
                     return
                 end = min(end, inode.size)
                 segs = inode.extents.lookup(start, end - start)
-                gens = {z: s.zgen[z] for _, z, _, _ in segs}
-                zones = d.enter_zones(gens)
-            try:
-                got = []
-                for dst, zone, zoff, length in segs:
-                    if zone in s.bad_zones:
-                        break
-                    try:
-                        v = d.verified_read(zone, zoff, length, ino, start + dst)
-                    except (FsError, OSError):
-                        break              # the request itself will read it and report it
-                    got.append(_Seg(zone, gens[zone], zoff, start + dst, memoryview(v)))
-            finally:
-                d.leave_zones(zones)
+                gens = d.gens_locked(segs)
+            got = []
+            for dst, zone, zoff, length in segs:
+                if zone in s.bad_zones:
+                    break
+                try:
+                    v = d.verified_read(zone, zoff, length, ino, start + dst, gens)
+                except (FsError, OSError, StaleRead):
+                    break              # the request itself will read it and report it
+                got.append(_Seg(zone, gens[zone], zoff, start + dst, memoryview(v)))
+            if not d.gens_hold(gens):  # a reset began under the read (DataPath.read)
+                return
             with self.lock:
                 f = self.files.get(ino)
                 if f is not None:

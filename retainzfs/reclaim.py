@@ -1,14 +1,21 @@
 """Reclaim: dead-byte accounting, zone resets and GC.
 
-Owns the set of zones waiting for a reset (``pending``) and THE reset sequence
-(``reset_zones_iolocked``), used both for zones a deletion emptied and for a GC victim:
+Owns the set of zones waiting for a reset (``pending``), the zones whose reset has begun
+(``resetting``: no placement or GC may choose them) and THE reset sequence, used both for zones
+a deletion emptied (``reset_empty_zones``) and for a GC victim (``reset_zones_iolocked``):
 
 1. under ``Store.lock``: keep the zones with nothing live (and not failed); move each zone's
-   generation on (a ZONE_RESET record: no extent written before can map onto the zone again);
-2. journal flush with sync: the deletions/relocations and the new generations are durable
-   before any data is destroyed;
-3. wait for in-flight reads of those zones (only those), reset the zones on the device;
+   generation on (a ZONE_RESET record: no extent written before can map onto the zone again;
+   a lock-free read that looked the zone up before sees the new generation and reads again);
+2. the journal written, then a device flush: the deletions/relocations and the new generations
+   are durable before any data is destroyed;
+3. reset the zones on the device (``io_lock``: nothing is written to them meanwhile);
 4. under ``Store.lock``: allocator summaries, counters, out-of-service marks.
+
+Readers are never waited for (``DataPath.read`` is a seqlock on the generations).  For zones a
+deletion emptied, ``io_lock`` is let go during the device flush of step 2, so writers of other
+files never wait for it; a GC victim's reset runs inside the writer's own placement, which is
+waiting for that space anyway.
 
 GC picks victims from the allocator's summaries and moves their live extents through the data
 path's write loop (``DataPath.write_iolocked`` with ``copy_from``).  A victim must free at least
@@ -35,6 +42,19 @@ class Reclaim:
     def __init__(self, store):
         self.s = store
         self.pending: set[int] = set()
+        self.resetting: set[int] = set()     # generation moved on, device reset not yet done
+
+    @property
+    def min_gain(self) -> int:
+        """Bytes a GC victim must free beyond its copies (at least one block)."""
+        s = self.s
+        return max(s.bs, int(s.cap * GC_MIN_GAIN) // s.bs * s.bs)
+
+    def gain_locked(self, z: int) -> int:
+        """Space a reset of ``z`` frees beyond the copies of its live bytes: the dead bytes
+        written (an active zone's unwritten tail is free already)."""
+        sm = self.s.alloc.summary(z)
+        return (self.s.cap if sm["cond"] == "full" else sm["W"]) - sm["L"]
 
     @property
     def min_gain(self) -> int:
@@ -75,44 +95,62 @@ class Reclaim:
         return bad is None or bad["valid_upto"] is not None
 
     def reset_empty_zones(self) -> None:
-        """Reset zones whose data are all dead — after the deletion is durable in the journal."""
+        """Reset zones whose data are all dead — after the deletion is durable in the journal;
+        ``io_lock`` is not held across the device flush (module docstring)."""
         if not self.pending:
             return
-        with self.s.io_lock:
-            self.reset_zones_iolocked(None)
-
-    def reset_zones_iolocked(self, zones: list[int] | None) -> list[int]:
-        """THE reset sequence (see the module docstring) for ``zones`` (None: the pending
-        ones); returns the zones reset (those still holding live data are skipped)."""
         s = self.s
-        assert s.io_lock._is_owned(), "reset_zones_iolocked without io_lock"
+        with s.io_lock:
+            zones = self._begin_iolocked(None)
+            if not zones:
+                return
+            s.journal_flush_iolocked(sync=False)
+        # outside io_lock: other files keep writing.  If it fails nothing is destroyed: the
+        # zones stay in ``resetting`` (out of placement) and the error goes to the caller.
+        s._device_flush()
+        with s.io_lock:
+            self._finish_iolocked(zones)
+
+    def reset_zones_iolocked(self, zones: list[int]) -> list[int]:
+        """THE reset sequence for ``zones`` with ``io_lock`` held throughout (a GC victim);
+        returns the zones reset (those still holding live data are skipped)."""
+        s = self.s
+        zones = self._begin_iolocked(zones)
+        if zones:
+            s.journal_flush_iolocked(sync=True)     # a failure leaves them in ``resetting``
+            self._finish_iolocked(zones)
+        return zones
+
+    def _begin_iolocked(self, zones: list[int] | None) -> list[int]:
+        """Steps 1 of the sequence: choose the zones, move their generations on."""
+        s = self.s
+        assert s.io_lock._is_owned(), "_begin_iolocked without io_lock"
         with s.lock:
             if zones is None:
                 zones, self.pending = self.pending, set()
             alloc = s.alloc
             zones = [z for z in zones if alloc.summary(z)["L"] <= 0
-                     and alloc.summary(z)["W"] > 0 and self.resettable_locked(z)]
+                     and alloc.summary(z)["W"] > 0 and self.resettable_locked(z)
+                     and z not in self.resetting]
             for z in zones:
                 self.note_reset_locked(z)
-        if not zones:
-            return zones
-        s.journal_flush_iolocked(sync=True)     # deletions + new generations durable first
-        with s._readers_cv:
-            # only reads of these zones (started before their last extent died: no later
-            # lookup can return one) are waited for; reads elsewhere never delay a reset
-            rd = s._zone_readers
-            while any(z in rd for z in zones):
-                s._readers_cv.wait()
-            for z in zones:
-                s.dev.reset(z)
-                s.open_lru.pop(z, None)
+            self.resetting.update(zones)
+        return zones
+
+    def _finish_iolocked(self, zones: list[int]) -> None:
+        """Steps 3-4: the device resets, then the summaries."""
+        s = self.s
+        assert s.io_lock._is_owned(), "_finish_iolocked without io_lock"
+        for z in zones:
+            s.dev.reset(z)
+            s.open_lru.pop(z, None)
         with s.lock:
             for z in zones:
                 s.alloc.note_reset(z)
                 s.bad_zones.pop(z, None)
                 s.stats["zone_resets"] += 1
+                self.resetting.discard(z)
             s._capacity_stop = False
-        return zones
 
     def gc_once_iolocked(self) -> bool:
         """Copy the live data out of the best victim zone and reset it; False when no zone
@@ -121,8 +159,9 @@ class Reclaim:
         s = self.s
         assert s.io_lock._is_owned(), "gc_once_iolocked without io_lock"
         with s.lock:
-            victims = [z for z in s.alloc.victims(8) if self.gain_locked(z) >= self.min_gain
-                       and z not in s.bad_zones]
+            victims = [z for z in s.alloc.victims(8, self.resetting)
+                       if self.gain_locked(z) >= self.min_gain and z not in s.bad_zones
+                       and z not in self.resetting]
         for victim in victims:
             with s.lock:
                 groups = self.copy_groups_locked(victim)

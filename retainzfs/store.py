@@ -20,8 +20,9 @@ summaries, checksums and the journal buffer and is only held for short, CPU-only
 sections.  ``self.io_lock`` serialises device writes, finishes, resets and journal writes (zones
 must be written at their write pointer, in order).  The order is always io_lock -> lock, never
 the reverse.  Methods named ``*_locked`` need ``self.lock`` held, ``*_iolocked`` need
-``io_lock`` held, and assert it.  Reads take neither lock during device I/O; a zone reset waits
-until in-flight reads of that zone are done (``_zone_readers``).
+``io_lock`` held, and assert it.  Reads take neither lock during device I/O and never wait for
+a reset, nor a reset for them: a read takes its zones' generations with its lookup and reads
+again if one moved (``DataPath.read``, a seqlock; a reset moves the generation first).
 
 Durability contract: a file's data and extents are durable when ``fsync`` returns; ``flush``
 (close) writes data and journal records without a device flush; namespace changes are durable at
@@ -131,8 +132,6 @@ class Store:
         self.dev = dev
         self.lock = threading.RLock()
         self.io_lock = threading.RLock()     # an RLock for ``_is_owned``: never re-entered
-        self._zone_readers: dict[int, int] = {}     # zone -> reads in flight (_readers_cv)
-        self._readers_cv = threading.Condition(threading.Lock())
         sb = J.probe_superblock(dev)
         if sb is None:
             raise J.JournalError("no retainzfs superblock in the metadata zones")
