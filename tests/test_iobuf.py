@@ -333,3 +333,34 @@ def test_readahead_serves_hits_and_never_stale_bytes(tmp_path):
     finally:
         s.close()
         dev.close()
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("rchar"))
+
+
+def test_header_hops_do_not_read_a_megabyte_each(mounted):
+    """``torch.load`` of each DCP item seeks to its zip records and header, reads a few
+    bytes, then the tensor: with st_blksize 1 MiB, Python's buffered reader (the stream DCP
+    hands torch.load) refilled 1 MiB for every hop, and a 200 MiB DCP load took 0.46-0.58 s
+    instead of 0.34-0.43 s.  The preferred I/O size is 128 KiB now, so the reader's read(2)
+    calls bring in little more than the file."""
+    item, n = 2 * MiB, 24
+    data = os.urandom(item * n)
+    (mounted / "ckpt").write_bytes(data)
+    mounted.remount()
+    before = _rchar()
+    with open(mounted / "ckpt", "rb") as f:  # default buffering, as torch.load's stream
+        for i in range(n):
+            end = (i + 1) * item
+            f.seek(end - 22)                 # the item's end record
+            assert f.read(22) == data[end - 22:end]
+            f.seek(end - 600)                # its central directory
+            assert f.read(100) == data[end - 600:end - 500]
+            f.seek(i * item)                 # its local header
+            assert f.read(64) == data[i * item:i * item + 64]
+            f.seek(i * item + 4096)          # the tensor
+            assert f.read(item - 8192) == data[i * item + 4096:end - 4096]
+    copied = _rchar() - before
+    assert copied <= 1.25 * len(data), f"read(2) returned {copied / len(data):.2f}x the file"
