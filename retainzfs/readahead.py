@@ -19,7 +19,7 @@ Zones out of service (``Store.bad_zones``) are never served from here.  Files wi
 (unwritten) bytes are not read ahead.
 
 Memory: at most ``MAX_FILES`` files, each with at most ``AHEAD`` windows (plus the one being
-served) held; the buffers return to ``_iobuf``'s pool when dropped.
+served) ahead and ``KEEP_BEHIND`` bytes behind the reader held; the buffers return to ``_iobuf``'s pool when dropped.
 
 Locks: ``ReadAhead.lock`` (a plain Lock, innermost: taken under ``Store.lock`` or alone, never
 around device I/O or another lock).  Prefetches run on the ``rz-readahead`` threads (one per file).
@@ -39,6 +39,9 @@ MiB = 1 << 20
 WINDOW = 4 * MiB        # bytes of a file read by one prefetch
 AHEAD = 3               # windows kept read (or being read) ahead of the reader
 MAX_FILES = 8           # files with readahead state (LRU)
+#: bytes of windows kept behind the reader (the furthest behind go first): a DCP load reads
+#: items in dictionary order and comes back for bytes just behind where it was
+KEEP_BEHIND = 2 * WINDOW
 #: bytes read in sequence before the windows start: more than the kernel's own readaround of
 #: one mmap fault (``read_ahead_kb``, 4 MiB), so random page faults never trigger them
 START = 8 * MiB
@@ -63,6 +66,26 @@ class _File:
         self.segs: list[_Seg] = []
         self.pf_end = 0                    # end of the file range read ahead (done or pending)
         self.pending: list[tuple[int, int, Future]] = []   # (start, end, future) in flight
+
+
+def _trim(f: _File, off: int) -> None:
+    """Drop windows wholly behind ``off``, the furthest behind first, beyond ``KEEP_BEHIND``
+    bytes.  Dropping all of them at once made a 200 MiB DCP load read 246 MiB from the
+    device (items come in dictionary order, not file order); keeping 8 MiB, 213 MiB."""
+    behind = [g for g in f.segs if g.foff + len(g.view) <= off]
+    if not behind:
+        return
+    held = sum(len(g.view) for g in behind)
+    if held <= KEEP_BEHIND:
+        return
+    behind.sort(key=lambda g: g.foff)
+    drop = set()
+    for g in behind:
+        if held <= KEEP_BEHIND:
+            break
+        drop.add(id(g))
+        held -= len(g.view)
+    f.segs = [g for g in f.segs if id(g) not in drop]
 
 
 class ReadAhead:
@@ -104,7 +127,7 @@ class ReadAhead:
             self.files.move_to_end(ino)
             f.streak = f.streak + size if off == f.last_end else size
             f.last_end = off + size
-            f.segs = [g for g in f.segs if g.foff + len(g.view) > off]   # drop what is behind
+            _trim(f, off)
             self.hits += 1
             nxt = self._windows(f, off + size)
         for w in nxt:
@@ -140,9 +163,14 @@ class ReadAhead:
             nxt = []
             if f.streak >= START:
                 pos = off + size
-                if not any(a <= pos < b for a, b, _ in f.pending):
-                    f.pf_end = pos                       # nothing held or coming for it:
-                    f.segs = []                          # the windows start again here
+                # requests arrive out of order (the kernel has several in flight): a miss
+                # behind or inside what is held or coming keeps it; only a reader that left
+                # it (a jump) starts the windows again where it is now
+                lo = min([a for a, _, _ in f.pending] + [g.foff for g in f.segs],
+                         default=None)
+                if lo is None or not lo - WINDOW <= pos <= f.pf_end:
+                    f.pf_end = pos
+                    f.segs = []
                 nxt = self._windows(f, pos)
         for w in nxt:
             self._submit(ino, *w)

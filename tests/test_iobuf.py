@@ -364,3 +364,41 @@ def test_header_hops_do_not_read_a_megabyte_each(mounted):
             assert f.read(item - 8192) == data[i * item + 4096:end - 4096]
     copied = _rchar() - before
     assert copied <= 1.25 * len(data), f"read(2) returned {copied / len(data):.2f}x the file"
+
+
+def _device_reads(dev):
+    """Count the bytes the store reads from the device (both read paths)."""
+    seen = [0]
+    for name in ("read", "read_view"):
+        orig = getattr(dev, name)
+
+        def counted(zone, off, n, _orig=orig):
+            seen[0] += n
+            return _orig(zone, off, n)
+        setattr(dev, name, counted)
+    return seen
+
+
+def test_windows_survive_misses_and_a_step_back(tmp_path):
+    """Requests arrive out of order (FUSE keeps several in flight) and a DCP load hops back
+    to bytes just behind where it read: neither throws away windows already read, so the
+    device reads each byte about once (a miss used to drop every held window, and windows
+    behind the reader went at once: the same bytes were read again)."""
+    dev, s = _store(tmp_path)
+    try:
+        a = os.urandom(40 * MiB)
+        ino = _put(s, b"a", a)
+        seen = _device_reads(dev)
+        got = {}
+        order = list(range(0, 12 * MiB, MiB))            # a sequence starts the windows
+        for base in range(12 * MiB, 40 * MiB, 4 * MiB):  # then pairs out of order, and a
+            order += [base + MiB, base, base + 2 * MiB, base + 3 * MiB, base - 3 * MiB]
+        for off in order:                                # step back of 3 MiB each time
+            got[off] = s.read(ino, off, MiB)
+            time.sleep(0.005)                            # let the windows arrive
+        assert all(v == a[o:o + MiB] for o, v in got.items())
+        assert seen[0] <= 1.08 * len(a), f"read {seen[0] / len(a):.2f}x the file"
+        assert s.status()["readahead"]["hits"] > 10
+    finally:
+        s.close()
+        dev.close()
