@@ -19,7 +19,8 @@ Zones out of service (``Store.bad_zones``) are never served from here.  Files wi
 (unwritten) bytes are not read ahead.
 
 Memory: at most ``MAX_FILES`` files, each with at most ``AHEAD`` windows (plus the one being
-served) ahead and ``KEEP_BEHIND`` bytes behind the reader held; the buffers return to ``_iobuf``'s pool when dropped.
+served) ahead and, while all files hold less than ``BEHIND_BUDGET``, ``KEEP_BEHIND``
+bytes behind the reader held; the buffers return to ``_iobuf``'s pool when dropped.
 
 Locks: ``ReadAhead.lock`` (a plain Lock, innermost: taken under ``Store.lock`` or alone, never
 around device I/O or another lock).  Prefetches run on the ``rz-readahead`` threads (one per file).
@@ -40,8 +41,11 @@ WINDOW = 4 * MiB        # bytes of a file read by one prefetch
 AHEAD = 3               # windows kept read (or being read) ahead of the reader
 MAX_FILES = 8           # files with readahead state (LRU)
 #: bytes of windows kept behind the reader (the furthest behind go first): a DCP load reads
-#: items in dictionary order and comes back for bytes just behind where it was
+#: items in dictionary order and comes back for bytes just behind where it was; only while
+#: all files together hold less than BEHIND_BUDGET (8 sequential readers' windows ahead
+#: already do: keeping 8 MiB behind each took the daemon to 319 MiB in bench_io)
 KEEP_BEHIND = 2 * WINDOW
+BEHIND_BUDGET = MAX_FILES * AHEAD * WINDOW // 2
 #: bytes read in sequence before the windows start: more than the kernel's own readaround of
 #: one mmap fault (``read_ahead_kb``, 4 MiB), so random page faults never trigger them
 START = 8 * MiB
@@ -68,20 +72,20 @@ class _File:
         self.pending: list[tuple[int, int, Future]] = []   # (start, end, future) in flight
 
 
-def _trim(f: _File, off: int) -> None:
-    """Drop windows wholly behind ``off``, the furthest behind first, beyond ``KEEP_BEHIND``
-    bytes.  Dropping all of them at once made a 200 MiB DCP load read 246 MiB from the
-    device (items come in dictionary order, not file order); keeping 8 MiB, 213 MiB."""
+def _trim(f: _File, off: int, keep: int) -> None:
+    """Drop windows wholly behind ``off``, the furthest behind first, beyond ``keep`` bytes.
+    Dropping all of them at once made a 200 MiB DCP load read 246 MiB from the device (items
+    come in dictionary order, not file order); keeping 8 MiB, 213 MiB."""
     behind = [g for g in f.segs if g.foff + len(g.view) <= off]
     if not behind:
         return
     held = sum(len(g.view) for g in behind)
-    if held <= KEEP_BEHIND:
+    if held <= keep:
         return
     behind.sort(key=lambda g: g.foff)
     drop = set()
     for g in behind:
-        if held <= KEEP_BEHIND:
+        if held <= keep:
             break
         drop.add(id(g))
         held -= len(g.view)
@@ -127,7 +131,7 @@ class ReadAhead:
             self.files.move_to_end(ino)
             f.streak = f.streak + size if off == f.last_end else size
             f.last_end = off + size
-            _trim(f, off)
+            _trim(f, off, KEEP_BEHIND if self._held_locked() < BEHIND_BUDGET else 0)
             self.hits += 1
             nxt = self._windows(f, off + size)
         for w in nxt:
@@ -138,6 +142,10 @@ class ReadAhead:
         for dst, v in parts:
             out[dst:dst + len(v)] = v
         return out
+
+    def _held_locked(self) -> int:
+        """Bytes of windows held by all files (self.lock held)."""
+        return sum(len(g.view) for f in self.files.values() for g in f.segs)
 
     def pending_for(self, ino: int, off: int, size: int) -> Future | None:
         """A window being read that covers the start of [off, off+size), to wait for."""
