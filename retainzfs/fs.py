@@ -18,6 +18,7 @@ import pyfuse3
 import trio
 
 from .hints import POLICY_NAME, XATTR_PREFIX
+from .namespace import Attrs
 from .store import FsError, Inode, Store
 
 log = logging.getLogger("retainzfs")
@@ -85,7 +86,7 @@ class _Workers:
 BLKSIZE = 128 << 10
 
 
-def _direct_write(flags: int, inode: Inode) -> bool:
+def _direct_write(flags: int, inode: Attrs) -> bool:
     """Open a write-only file with FOPEN_DIRECT_IO: the kernel then hands each write's user
     pages to the daemon (one copy, into the request) instead of first copying them into page
     cache pages it never reads back through this descriptor, and skips the per-write
@@ -98,8 +99,7 @@ def _direct_write(flags: int, inode: Inode) -> bool:
     ``write``), and pjdfstest's chmod/12.t checks it."""
     if flags & os.O_ACCMODE != os.O_WRONLY or inode.mode & (stat.S_ISUID | stat.S_ISGID):
         return False
-    xa = inode.xattrs
-    return not (xa and b"security.capability" in xa)
+    return not inode.caps
 
 
 def _no_abort(_raise_cancel):
@@ -154,7 +154,10 @@ class RetainzOperations(pyfuse3.Operations):
         self.initialized = True
 
     # -- attributes --
-    def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
+    # The adapter never reads a live ``Inode`` view, only its number: attributes come as an
+    # ``Attrs`` copy taken under Store.lock (``Store.stat``), since a worker thread may change
+    # or free the row while the event loop builds the reply.
+    def _entry(self, inode: Attrs) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
         a.st_ino = inode.ino
         a.generation = 0
@@ -174,8 +177,8 @@ class RetainzOperations(pyfuse3.Operations):
         return a
 
     def _ref(self, inode: Inode) -> pyfuse3.EntryAttributes:
-        self.store.ref(inode.ino)
-        return self._entry(inode)
+        """The reply that makes the kernel hold ``inode`` (counted in the same lock)."""
+        return self._entry(self.store.stat(inode.ino, ref=True))
 
     @_fuse_errors
     async def lookup(self, parent_inode, name, ctx=None):
@@ -189,7 +192,7 @@ class RetainzOperations(pyfuse3.Operations):
 
     @_fuse_errors
     async def getattr(self, inode, ctx=None):
-        return self._entry(self.store.getattr(inode))
+        return self._entry(self.store.stat(inode))
 
     @_fuse_errors
     async def setattr(self, inode, attr, fields, fh, ctx):
@@ -208,7 +211,8 @@ class RetainzOperations(pyfuse3.Operations):
             kw["ctime"] = attr.st_ctime_ns
         if fields.update_size:
             kw["size"] = attr.st_size
-        return self._entry(await _run(self.store.setattr, inode, **kw))
+        await _run(self.store.setattr, inode, **kw)
+        return self._entry(self.store.stat(inode))
 
     async def forget(self, inode_list):
         for ino, n in inode_list:
@@ -262,7 +266,7 @@ class RetainzOperations(pyfuse3.Operations):
 
     @_fuse_errors
     async def readdir(self, fh, start_id, token):
-        for name, inode, cookie in self.store.readdir(fh, start_id):
+        for name, inode, cookie in self.store.readdir_stat(fh, start_id):
             if not pyfuse3.readdir_reply(token, name, self._entry(inode), cookie):
                 break
             if name not in (b".", b".."):
@@ -289,17 +293,17 @@ class RetainzOperations(pyfuse3.Operations):
 
     @_fuse_errors
     async def open(self, inode, flags, ctx):
-        ino = await _run(self.store.open, inode, truncate=bool(flags & os.O_TRUNC))
-        return pyfuse3.FileInfo(fh=self._new_fh(ino.ino), keep_cache=True,
-                                direct_io=_direct_write(flags, ino))
+        await _run(self.store.open, inode, truncate=bool(flags & os.O_TRUNC))
+        return pyfuse3.FileInfo(fh=self._new_fh(inode), keep_cache=True,
+                                direct_io=_direct_write(flags, self.store.stat(inode)))
 
     @_fuse_errors
     async def create(self, parent_inode, name, mode, flags, ctx):
-        inode = self.store.create(parent_inode, name, mode & ~ctx.umask, ctx.uid, ctx.gid)
-        self.store.open(inode.ino)
-        return (pyfuse3.FileInfo(fh=self._new_fh(inode.ino),
-                                 direct_io=_direct_write(flags, inode)),
-                self._ref(inode))
+        ino = self.store.create(parent_inode, name, mode & ~ctx.umask, ctx.uid, ctx.gid).ino
+        self.store.open(ino)
+        entry = self.store.stat(ino, ref=True)
+        return (pyfuse3.FileInfo(fh=self._new_fh(ino), direct_io=_direct_write(flags, entry)),
+                self._entry(entry))
 
     @_fuse_errors
     async def read(self, fh, off, size):

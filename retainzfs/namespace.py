@@ -28,6 +28,7 @@ import zlib
 from array import array
 from collections.abc import MutableMapping
 from types import MappingProxyType
+from typing import NamedTuple
 
 from . import hints as H
 from . import records as R
@@ -189,6 +190,31 @@ class _Page:
         self.x: dict = {}
         self.rt: dict = {}
         self.count = 0
+
+
+class Attrs(NamedTuple):
+    """A consistent copy of an inode's attributes, taken under ``Store.lock``: what the FUSE
+    adapter gets instead of the live ``Inode`` view, whose row a worker thread may change
+    (or free, and give to a new inode) while the event loop builds its reply."""
+    ino: int
+    mode: int
+    nlink: int
+    uid: int
+    gid: int
+    rdev: int
+    size: int
+    atime: int
+    mtime: int
+    ctime: int
+    caps: bool            # has file capabilities (security.capability)
+
+    @staticmethod
+    def of(inode: "Inode") -> "Attrs":
+        """Store.lock held."""
+        xa = inode.xattrs
+        return Attrs(inode.ino, inode.mode, inode.nlink, inode.uid, inode.gid, inode.rdev,
+                     inode.size, inode.atime, inode.mtime, inode.ctime,
+                     bool(xa) and b"security.capability" in xa)
 
 
 class InodeTable(MutableMapping):

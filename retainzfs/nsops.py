@@ -18,7 +18,7 @@ from time import time_ns as now_ns
 from . import hints as H
 from . import records as R
 from .errors import FsError
-from .namespace import Inode
+from .namespace import Attrs, Inode
 
 log = logging.getLogger("retainzfs")
 
@@ -96,6 +96,20 @@ class NamespaceOps:
     def getattr(self, ino: int) -> Inode:
         with self.s.lock:
             return self.get_locked(ino)
+
+    def stat(self, ino: int, ref: bool = False) -> Attrs:
+        """The inode's attributes as one consistent copy (the FUSE adapter's only view of an
+        inode); ``ref``: the kernel learns of it with this reply (lookup/create)."""
+        with self.s.lock:
+            inode = self.get_locked(ino)
+            if ref:
+                inode.lookups += 1
+            return Attrs.of(inode)
+
+    def readdir_stat(self, ino: int, start: int) -> list[tuple[bytes, Attrs, int]]:
+        """``readdir`` with each entry's attributes copied under the same lock."""
+        with self.s.lock:
+            return [(n, Attrs.of(i), c) for n, i, c in self.readdir(ino, start)]
 
     def lookup(self, parent: int, name: bytes) -> Inode:
         s = self.s

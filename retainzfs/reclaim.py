@@ -107,7 +107,7 @@ class Reclaim:
             s.journal_flush_iolocked(sync=False)
         # outside io_lock: other files keep writing.  If it fails nothing is destroyed: the
         # zones stay in ``resetting`` (out of placement) and the error goes to the caller.
-        s._device_flush()
+        s.device_flush()
         with s.io_lock:
             self._finish_iolocked(zones)
 

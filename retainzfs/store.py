@@ -242,6 +242,8 @@ class Store:
     # ------------------------------------------------------------------ the parts' API
     # namespace (POSIX rules), nsops.NamespaceOps
     getattr = _Via("ns")
+    stat = _Via("ns")
+    readdir_stat = _Via("ns")
     lookup = _Via("ns")
     create = _Via("ns")
     mknod = _Via("ns")
@@ -311,7 +313,9 @@ class Store:
         if sync:
             self._sgen = max(self._sgen, g)
 
-    def _device_flush(self) -> None:
+    def device_flush(self) -> None:
+        """Flush the device; written data and journal frames before it are durable after it
+        (no lock: ``Reclaim`` calls it with ``io_lock`` let go)."""
         g = self._wgen
         self.dev.flush()
         self._sgen = max(self._sgen, g)
@@ -322,11 +326,11 @@ class Store:
         The device flushes run outside io_lock, so writers of other files are not stalled
         behind a flush of everything the page cache / device cache holds."""
         if self._wgen != self._sgen:
-            self._device_flush()
+            self.device_flush()
         with self.io_lock:
             self.journal_flush_iolocked(sync=False)
         if self._wgen != self._sgen:
-            self._device_flush()
+            self.device_flush()
 
     def commit(self, ino: int, durable: bool, check_policy: bool = True) -> None:
         """close(2) (durable=False) or fsync (durable=True): data + extents + attributes out."""
