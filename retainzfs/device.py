@@ -1304,11 +1304,32 @@ class BlockZonedDevice(ZonedDevice):
 
 # ======================================================================================
 
+def host_fs_type(path: str) -> str:
+    """The type of the file system holding ``path`` (``/proc/self/mountinfo``: the mount
+    whose point is the longest prefix of its real path), or "" when unknown."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                point = left.split()[4].replace("\\040", " ")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, right.split()[0]
+    except (OSError, IndexError):
+        return ""
+    return kind
+
+
 def open_device(path: str | os.PathLike[str], direct: bool | None = False) -> ZonedDevice:
     """Open a zoned target: a block device or an image file (chosen by file type).
 
     ``direct`` is for an image: True opens its zone data with O_DIRECT, False through the page
-    cache, None tries O_DIRECT and falls back where the host file system has none.  The mount
+    cache, None tries O_DIRECT and falls back where the host file system has none — and never
+    tries it on a FUSE host: there O_DIRECT is what the server makes of it (LazyFS, under the
+    power-cut campaign, sometimes took the O_DIRECT open and then served O_DIRECT reads of
+    the metadata zones that failed their checksums: the mount refused a sound image).  The mount
     asks for O_DIRECT: through the page cache every byte is copied once more (into the image's
     pages, which nobody reads back: FUSE caches the file) and reaches the disk only at fsync,
     after the whole save instead of during it."""
@@ -1322,6 +1343,8 @@ def open_device(path: str | os.PathLike[str], direct: bool | None = False) -> Zo
     if stat.S_ISBLK(st.st_mode):
         return BlockZonedDevice(path)
     if stat.S_ISREG(st.st_mode):
+        if direct is None and host_fs_type(path).startswith("fuse"):
+            direct = False                  # O_DIRECT on a FUSE host is whatever its server does
         if direct is None:                  # O_DIRECT where the host file system allows it
             try:
                 return ImageZonedDevice(path, direct=True)

@@ -178,6 +178,31 @@ def test_mount_uses_o_direct_and_says_so(make_image, mount_image, tmp_path):
     assert len(lines) == 1 and "image_io='fast'" in lines[0], lines
 
 
+def test_an_image_on_a_fuse_host_is_not_opened_with_o_direct(mounted, mount_image):
+    """Found by the power-cut campaign: on LazyFS (a FUSE host) the O_DIRECT open and its
+    one-block probe sometimes succeeded, the O_DIRECT reads of the metadata zones then failed
+    their checksums, and the mount refused a sound image ("no metadata frame passes its
+    checksum"; a loop of mount/write/umount through LazyFS hit it within 3-11 mounts).
+    ``image_io=auto`` now keeps an image on any FUSE file system on the page cache: here an
+    image inside a retainzfs mount, mounted and written through."""
+    from conftest import mkfs
+    assert D.host_fs_type(str(mounted / "x")).startswith("fuse")
+    assert D.host_fs_type("/proc/self") == "proc"
+    img = mkfs(mounted.path / "inner.zns", "128M", "4M")
+    dev = D.open_device(str(img), direct=None)
+    try:
+        assert not dev.direct
+    finally:
+        dev.close()
+    inner = mount_image(img, name="inner")
+    assert inner.status()["tuning"]["image_io"] == "buffered"
+    data = os.urandom(5 * MiB + 7)
+    (inner / "f").write_bytes(data)
+    inner.remount()
+    assert (inner / "f").read_bytes() == data
+    inner.umount()
+
+
 def test_write_only_descriptor_and_cached_reader_agree(mounted):
     """A write-only descriptor is opened with FOPEN_DIRECT_IO (no page-cache copy, no
     security.capability lookup per write); a reader that cached the old bytes must see the
