@@ -1304,22 +1304,38 @@ class BlockZonedDevice(ZonedDevice):
 
 # ======================================================================================
 
-def host_fs_type(path: str) -> str:
-    """The type of the file system holding ``path`` (``/proc/self/mountinfo``: the mount
-    whose point is the longest prefix of its real path), or "" when unknown."""
-    real = os.path.realpath(path)
-    best, kind = "", ""
+def mountinfo() -> list[tuple[str, str, str]]:
+    """(``major:minor``, mount point, file system type) of each mount this process sees
+    (``/proc/self/mountinfo``; mount points unescaped); [] when it cannot be read."""
+    rows = []
     try:
         with open("/proc/self/mountinfo") as f:
             for line in f:
                 left, _, right = line.partition(" - ")
-                point = left.split()[4].replace("\\040", " ")
-                inside = real == point or real.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best):
-                    best, kind = point, right.split()[0]
-    except (OSError, IndexError):
-        return ""
-    return kind
+                parts = left.split()
+                if len(parts) > 4 and right:
+                    rows.append((parts[2], parts[4].replace("\\040", " "), right.split()[0]))
+    except OSError:
+        pass
+    return rows
+
+
+def host_fs_type(path: str) -> str:
+    """The type of the file system that holds, or would hold, ``path`` (its mount, found by
+    the device number of ``path`` or of its nearest existing parent), or ""."""
+    p = os.path.abspath(path)
+    while True:
+        try:
+            st = os.stat(p)
+            break
+        except FileNotFoundError:
+            if p == os.path.dirname(p):
+                return ""
+            p = os.path.dirname(p)
+        except OSError:
+            return ""
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    return next((kind for d, _, kind in mountinfo() if d == dev), "")
 
 
 def open_device(path: str | os.PathLike[str], direct: bool | None = False) -> ZonedDevice:

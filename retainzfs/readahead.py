@@ -72,14 +72,16 @@ class _File:
         self.pending: list[tuple[int, int, Future]] = []   # (start, end, future) in flight
 
 
-def _trim(f: _File, off: int, keep: int) -> None:
-    """Drop windows wholly behind ``off``, the furthest behind first, beyond ``keep`` bytes.
-    Dropping all of them at once made a 200 MiB DCP load read 246 MiB from the device (items
-    come in dictionary order, not file order); keeping 8 MiB, 213 MiB."""
+def _trim(f: _File, off: int, keep) -> None:
+    """Drop windows wholly behind ``off``, the furthest behind first, beyond ``keep()``
+    bytes (asked only when something is behind: it sums every file's windows).  Dropping all
+    of them at once made a 200 MiB DCP load read 246 MiB from the device (items come in
+    dictionary order, not file order); keeping 8 MiB, 213 MiB."""
     behind = [g for g in f.segs if g.foff + len(g.view) <= off]
     if not behind:
         return
     held = sum(len(g.view) for g in behind)
+    keep = keep()
     if held <= keep:
         return
     behind.sort(key=lambda g: g.foff)
@@ -131,7 +133,7 @@ class ReadAhead:
             self.files.move_to_end(ino)
             f.streak = f.streak + size if off == f.last_end else size
             f.last_end = off + size
-            _trim(f, off, KEEP_BEHIND if self._held_locked() < BEHIND_BUDGET else 0)
+            _trim(f, off, self._keep_behind_locked)
             self.hits += 1
             nxt = self._windows(f, off + size)
         for w in nxt:
@@ -143,9 +145,11 @@ class ReadAhead:
             out[dst:dst + len(v)] = v
         return out
 
-    def _held_locked(self) -> int:
-        """Bytes of windows held by all files (self.lock held)."""
-        return sum(len(g.view) for f in self.files.values() for g in f.segs)
+    def _keep_behind_locked(self) -> int:
+        """``KEEP_BEHIND`` while all files' windows hold less than ``BEHIND_BUDGET``, else 0
+        (self.lock held)."""
+        held = sum(len(g.view) for f in self.files.values() for g in f.segs)
+        return KEEP_BEHIND if held < BEHIND_BUDGET else 0
 
     def pending_for(self, ino: int, off: int, size: int) -> Future | None:
         """A window being read that covers the start of [off, off+size), to wait for."""

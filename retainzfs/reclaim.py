@@ -56,18 +56,6 @@ class Reclaim:
         sm = self.s.alloc.summary(z)
         return (self.s.cap if sm["cond"] == "full" else sm["W"]) - sm["L"]
 
-    @property
-    def min_gain(self) -> int:
-        """Bytes a GC victim must free beyond its copies (at least one block)."""
-        s = self.s
-        return max(s.bs, int(s.cap * GC_MIN_GAIN) // s.bs * s.bs)
-
-    def gain_locked(self, z: int) -> int:
-        """Space a reset of ``z`` frees beyond the copies of its live bytes: the dead bytes
-        written (an active zone's unwritten tail is free already)."""
-        sm = self.s.alloc.summary(z)
-        return (self.s.cap if sm["cond"] == "full" else sm["W"]) - sm["L"]
-
     def dead_locked(self, pieces) -> None:
         """Account superseded/freed bytes; queue zones that hold no live data for reset."""
         s = self.s

@@ -236,20 +236,19 @@ def _set_readahead(mnt: str, kb: int) -> int | None:
     Why: FUSE mounts get 128 KiB of readahead, which halves a cold sequential read of a
     checkpoint; 4 MiB matches the zones' write size.  Found via /proc/self/mountinfo (a stat of
     the mountpoint from the daemon itself would wait for the daemon)."""
+    from ..device import mountinfo
     real = os.path.normpath(mnt)          # no realpath here: an lstat of it would wait for us
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) > 4 and parts[4] == real:
-                    path = f"/sys/class/bdi/{parts[2]}/read_ahead_kb"
-                    if kb:
-                        with open(path, "w") as g:
-                            g.write(str(kb))
-                    with open(path) as g:
-                        return int(g.read())
-    except OSError:
-        pass
+    for dev, point, _ in mountinfo():
+        if point == real:
+            path = f"/sys/class/bdi/{dev}/read_ahead_kb"
+            try:
+                if kb:
+                    with open(path, "w") as g:
+                        g.write(str(kb))
+                with open(path) as g:
+                    return int(g.read())
+            except OSError:
+                return None
     return None
 
 
