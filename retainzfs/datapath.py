@@ -17,6 +17,7 @@ import logging
 from . import hints as H
 from . import records as R
 from ._alloc import NoSpace
+from ._iobuf import gather
 from .csums import ZoneChecksums, crcs_of
 from .device import ZoneCond
 from .errors import FsError, StaleRead
@@ -24,6 +25,20 @@ from .readahead import ReadAhead
 from .writebuf import Chunks
 
 Buffer = bytes | bytearray | memoryview
+
+#: A flush at least this large is staged (``DataPath.stage``) before io_lock: the image's
+#: O_DIRECT threshold, below which zone I/O goes through the page cache anyway.
+STAGE_MIN = 256 << 10
+
+
+class Staged:
+    """A flush copied into one page-aligned, block-padded buffer with its checksums, made
+    with no lock held.  ``write_iolocked`` uses it when the bytes go to the device as one
+    run (the usual case); a run split where a zone ends falls back to the scatter list."""
+    __slots__ = ("buf", "padded", "crcs")
+
+    def __init__(self, buf, padded: int, crcs) -> None:
+        self.buf, self.padded, self.crcs = buf, padded, crcs
 
 log = logging.getLogger("retainzfs")
 
@@ -350,8 +365,21 @@ class DataPath:
                 break
 
     # ------------------------------------------------------------------ THE write loop
+    def stage(self, data: Chunks) -> Staged | None:
+        """The CPU half of a write, done before io_lock so it overlaps the device write of
+        another file: the copy into aligned memory that O_DIRECT needs (then written with no
+        further copy) and the CRC32C pieces.  None below ``STAGE_MIN``.  No lock needed:
+        ``data`` is a file's in-flight prefix, which only its own flush touches."""
+        n = len(data)
+        if n < STAGE_MIN:
+            return None
+        padded = -(-n // self.s.bs) * self.s.bs
+        buf = gather(data.parts, n, padded)
+        return Staged(buf, padded, crcs_of([buf], padded))
+
     def write_iolocked(self, ino: int, off: int, data: Chunks, hint: H.Hint,
-                       copy_from: tuple[int, int] | None = None) -> None:
+                       copy_from: tuple[int, int] | None = None,
+                       staged: Staged | None = None) -> None:
         """Place and write ``data`` (file offset ``off`` of inode ``ino``), across zones as
         needed: place, pad to blocks, open slot, checksum, write, note, journal.
 
@@ -362,7 +390,9 @@ class DataPath:
         with no padding between them, so a file written in many small pieces is not copied
         block-padded piece by piece (which would free nothing).  Each segment (split where
         a zone ends) becomes a RELOCATE record that moves the extent if it still maps those
-        bytes (else that part of the copy is dead at once)."""
+        bytes (else that part of the copy is dead at once).
+
+        ``staged``: ``data`` already copied and checksummed by ``stage``."""
         s = self.s
         assert s.io_lock._is_owned(), "write_iolocked without io_lock"
         bs = s.bs
@@ -380,12 +410,17 @@ class DataPath:
                 zone, nbytes = self.place_copy_iolocked(padded, hint, copy_from[0])
             payload = min(nbytes, remaining)
             pad = nbytes - payload
-            chunk = data.slice(pos, pos + payload)
-            if pad:
-                chunk.append(bytes(pad))
+            if staged is not None and pos == 0 and nbytes == staged.padded:
+                chunk, crcs = staged.buf, staged.crcs     # one run: as staged
+            else:
+                chunk = data.slice(pos, pos + payload)
+                if pad:
+                    chunk.append(bytes(pad))
+                crcs = None
             self.ensure_open_slot_iolocked(zone)
             zoff = dev.zone(zone).wp
-            crcs = crcs_of(chunk, nbytes)         # on the buffers in hand, before the write
+            if crcs is None:
+                crcs = crcs_of(chunk, nbytes)     # on the buffers in hand, before the write
             dev.write(zone, zoff, chunk)
             s._wgen += 1
             with s.lock:

@@ -1,14 +1,16 @@
 """Open files: write buffers, the in-flight background flush, the parked flush error.
 
-Owns the ``rz-flush`` worker (at most one zone write in flight per file, ``Inode.flushing``) and
-the per-inode buffer state (``wbuf``, ``inflight``, ``flush_err``, ``dirty``).  Buffered bytes go
-to zones through the data path's write loop (``flush_data``: io_lock, then Store.lock for the
+Owns the ``rz-flush`` workers (two; at most one zone write in flight per file,
+``Inode.flushing``) and the per-inode buffer state (``wbuf``, ``inflight``, ``flush_err``,
+``dirty``).  Buffered bytes go to zones through the data path's write loop (``flush_data``: the
+file's flush lock, staging with no other lock, then io_lock, then Store.lock for the
 bookkeeping).  ``buffer_write`` is the one entry the event loop calls: Store.lock only, no I/O.
 """
 from __future__ import annotations
 
 import errno
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from time import time_ns as now_ns
 
@@ -18,12 +20,17 @@ from .errors import FsError
 
 log = logging.getLogger("retainzfs")
 
+FLUSH_WORKERS = 2
+
 
 class OpenFiles:
     def __init__(self, store):
         self.s = store
-        # full write buffers go to zones in the background while FUSE keeps accepting writes
-        self.flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rz-flush")
+        # Full write buffers go to zones in the background while FUSE keeps accepting writes.
+        # Two workers: one stages a file's buffer (copy, checksums; no lock) while the other
+        # holds io_lock for its device write.  Still at most one flush in flight per file.
+        self.flusher = ThreadPoolExecutor(max_workers=FLUSH_WORKERS, thread_name_prefix="rz-flush")
+        self._flush_locks = [threading.Lock() for _ in range(64)]   # by inode number
 
     def open(self, ino: int, truncate: bool = False):
         if truncate:
@@ -175,10 +182,19 @@ class OpenFiles:
         if err is not None:
             raise FsError(err.errno or errno.EIO, str(err))
 
+    def _flush_lock(self, ino: int) -> threading.Lock:
+        return self._flush_locks[ino % len(self._flush_locks)]
+
     def flush_data(self, ino: int, final: bool) -> None:
-        """Move buffered bytes of a file to zones (whole blocks unless ``final``)."""
+        """Move buffered bytes of a file to zones (whole blocks unless ``final``).
+
+        The prefix is taken and staged (copied for O_DIRECT, checksummed) before io_lock, so
+        that CPU work overlaps another file's device write; the file's flush lock keeps a
+        second flush of the same file (a non-contiguous write, a commit) from taking the same
+        prefix meanwhile.  Lock order: flush lock, io_lock, Store.lock."""
         s = self.s
-        with s.io_lock:
+        assert not s.io_lock._is_owned(), "flush_data under io_lock (lock order)"
+        with self._flush_lock(ino):
             with s.lock:
                 inode = s.inodes.get(ino)
                 if inode is None or not inode.wbuf:
@@ -197,22 +213,31 @@ class OpenFiles:
                         s.now = inode.hint.birth
                 hint = inode.hint
             try:
-                s.data.write_iolocked(ino, off, data, hint)
-            except FsError:
-                with s.lock:      # drop the uncommittable bytes; committed data stay intact
+                staged = s.data.stage(data)
+            except BaseException:
+                with s.lock:      # e.g. MemoryError: the bytes stay buffered
                     inode = s.inodes.get(ino)
                     if inode is not None:
-                        inode.wbuf.clear()
                         inode.inflight = 0
-                        inode.size = max((e.end for e in inode.extents), default=0)
                 raise
-            with s.lock:
-                inode = s.inodes.get(ino)
-                if inode is not None:
-                    inode.inflight = 0
-                    if inode.wbuf.off == off:
-                        inode.wbuf.drop(n)
-            s.maybe_flush_journal_iolocked()
+            with s.io_lock:
+                try:
+                    s.data.write_iolocked(ino, off, data, hint, staged=staged)
+                except FsError:
+                    with s.lock:  # drop the uncommittable bytes; committed data stay intact
+                        inode = s.inodes.get(ino)
+                        if inode is not None:
+                            inode.wbuf.clear()
+                            inode.inflight = 0
+                            inode.size = max((e.end for e in inode.extents), default=0)
+                    raise
+                with s.lock:
+                    inode = s.inodes.get(ino)
+                    if inode is not None:
+                        inode.inflight = 0
+                        if inode.wbuf.off == off:
+                            inode.wbuf.drop(n)
+                s.maybe_flush_journal_iolocked()
         s.reclaim.reset_empty_zones()
 
     def truncate(self, ino: int, size: int) -> None:

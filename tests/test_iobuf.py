@@ -427,3 +427,31 @@ def test_windows_survive_misses_and_a_step_back(tmp_path):
     finally:
         s.close()
         dev.close()
+
+
+@settings(max_examples=120, deadline=None)
+@given(n=st.one_of(st.integers(0, 3 * 4096 + 5),
+                   st.sampled_from([4095, 4096, 4097, 64 * KiB - 1, 64 * KiB, MiB - 1, MiB,
+                                    MiB + 1, 4 * MiB - 48, 4 * MiB])),
+       extra=st.sampled_from([0, 1, 48, 4095, 4096]),
+       cuts=st.lists(st.integers(0, 4 * MiB), max_size=5))
+def test_gather_copies_the_parts_into_aligned_zero_padded_memory(n, extra, cuts):
+    """``gather`` (the staging copy a flush makes before io_lock): exactly the parts' first
+    ``n`` bytes, then zeros up to the padded length, in page-aligned memory — also when
+    the pooled buffer it reuses held other bytes (the pool is dirtied first)."""
+    import ctypes
+    dirty = I.gather([b"\xff" * (n + extra)], n + extra, n + extra)
+    del dirty                                        # back to the pool, full of 0xff
+    data = os.urandom(n)
+    b = I.gather(_split(data, cuts) + [b"tail not taken"], n, n + extra)
+    v = memoryview(b)
+    assert v.nbytes == n + extra and bytes(v) == data + bytes(extra)
+    if n + extra:
+        assert ctypes.addressof(ctypes.c_char.from_buffer(b)) % 4096 == 0
+
+
+def test_gather_refuses_short_parts_and_short_padding():
+    with pytest.raises(ValueError):
+        I.gather([b"x" * 10], 11, 4096)
+    with pytest.raises(ValueError):
+        I.gather([b"x" * 10], 10, 9)
