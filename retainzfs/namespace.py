@@ -98,7 +98,7 @@ class Extra:
 
 class RunState:
     __slots__ = ("opens", "lookups", "wbuf", "dirty", "policy_dirty", "inflight", "flushing",
-                 "flush_err")
+                 "flushing_prev", "flush_turn", "flush_epoch", "flush_err")
 
     def __init__(self):
         self.opens = 0
@@ -106,8 +106,11 @@ class RunState:
         self.wbuf = None
         self.dirty = False
         self.policy_dirty = False     # a .retainz written/truncated since its last validation
-        self.inflight = 0             # buffered bytes a zone write is moving out right now
-        self.flushing = None          # Future of the background flush of this file, if any
+        self.inflight = 0             # buffered bytes (a wbuf prefix) taken by flushes in flight
+        self.flushing = None          # Future of the latest background flush of this file
+        self.flushing_prev = None     # ... and of the one before it (at most two in flight)
+        self.flush_turn = None        # Event set when the last flush taken has written
+        self.flush_epoch = 0          # bumped when a failed flush drops the buffer
         self.flush_err = None         # error of a background flush, reported at the next call
 
     def idle(self) -> bool:
@@ -634,6 +637,9 @@ class Inode:
     policy_dirty = _rt_prop("policy_dirty", False)
     inflight = _rt_prop("inflight", 0)
     flushing = _rt_prop("flushing", None)
+    flushing_prev = _rt_prop("flushing_prev", None)
+    flush_turn = _rt_prop("flush_turn", None)
+    flush_epoch = _rt_prop("flush_epoch", 0)
     flush_err = _rt_prop("flush_err", None)
 
     @property

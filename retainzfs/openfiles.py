@@ -1,10 +1,10 @@
 """Open files: write buffers, the in-flight background flush, the parked flush error.
 
-Owns the ``rz-flush`` workers (two; at most one zone write in flight per file,
-``Inode.flushing``) and the per-inode buffer state (``wbuf``, ``inflight``, ``flush_err``,
-``dirty``).  Buffered bytes go to zones through the data path's write loop (``flush_data``: the
-file's flush lock, staging with no other lock, then io_lock, then Store.lock for the
-bookkeeping).  ``buffer_write`` is the one entry the event loop calls: Store.lock only, no I/O.
+Owns the ``rz-flush`` workers (two; at most two zone writes of a file in flight,
+``Inode.flushing``/``flushing_prev``) and the per-inode buffer state (``wbuf``, ``inflight``,
+``flush_turn``, ``flush_err``, ``dirty``).  Buffered bytes go to zones through the data path's
+write loop (``flush_data``: take bytes and a turn under Store.lock, stage them with no lock,
+wait for the turn, then io_lock, then Store.lock for the bookkeeping).  ``buffer_write`` is the one entry the event loop calls: Store.lock only, no I/O.
 """
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ class OpenFiles:
     def __init__(self, store):
         self.s = store
         # Full write buffers go to zones in the background while FUSE keeps accepting writes.
-        # Two workers: one stages a file's buffer (copy, checksums; no lock) while the other
-        # holds io_lock for its device write.  Still at most one flush in flight per file.
+        # Two workers: one stages a buffer (copy, checksums; no lock) while the other holds
+        # io_lock for its device write.
         self.flusher = ThreadPoolExecutor(max_workers=FLUSH_WORKERS, thread_name_prefix="rz-flush")
-        self._flush_locks = [threading.Lock() for _ in range(64)]   # by inode number
+        self._busy = 0                        # background flushes queued or running (Store.lock)
 
     def open(self, ino: int, truncate: bool = False):
         if truncate:
@@ -131,19 +131,25 @@ class OpenFiles:
             return n
 
     def flush_background(self, ino: int) -> None:
-        """Queue a zone write of the full buffer; at most one in flight per file (bounded RAM)."""
+        """Queue a zone write of the full buffer.  At most two flushes of a file in flight, the
+        second only while a flusher is free: then one stages the next chunk while the other
+        writes, even for a single file; with many files, each keeps one (bounded RAM)."""
         s = self.s
         with s.lock:
             inode = s.inodes.get(ino)
             if inode is None:
                 return
-            prev = inode.flushing
-        if prev is not None:
-            prev.result()                     # the previous chunk must be out first
+            prev, older = inode.flushing, inode.flushing_prev
+        if older is not None:
+            older.result()                    # never three chunks of one file in flight
+        if prev is not None and self._busy >= FLUSH_WORKERS:
+            prev.result()
         self.check_flush_error(ino)
         with s.lock:
             inode = s.inodes.get(ino)
             if inode is not None:
+                self._busy += 1
+                inode.flushing_prev = inode.flushing
                 inode.flushing = self.flusher.submit(self._bg_flush, ino)
 
     def _bg_flush(self, ino: int) -> None:
@@ -161,6 +167,9 @@ class OpenFiles:
                 inode = s.inodes.get(ino)
                 if inode is not None:
                     inode.flush_err = FsError(errno.EIO, str(e))
+        finally:
+            with s.lock:
+                self._busy -= 1
 
     def wait_flush(self, ino: int) -> None:
         """Wait for the file's background flush and raise its error, if any."""
@@ -182,62 +191,82 @@ class OpenFiles:
         if err is not None:
             raise FsError(err.errno or errno.EIO, str(err))
 
-    def _flush_lock(self, ino: int) -> threading.Lock:
-        return self._flush_locks[ino % len(self._flush_locks)]
-
     def flush_data(self, ino: int, final: bool) -> None:
         """Move buffered bytes of a file to zones (whole blocks unless ``final``).
 
-        The prefix is taken and staged (copied for O_DIRECT, checksummed) before io_lock, so
-        that CPU work overlaps another file's device write; the file's flush lock keeps a
-        second flush of the same file (a non-contiguous write, a commit) from taking the same
-        prefix meanwhile.  Lock order: flush lock, io_lock, Store.lock."""
+        A flush *takes* the buffered bytes after those earlier flushes took (``inflight``)
+        and its turn (``flush_turn``) under Store.lock, stages them with no lock (copied for
+        O_DIRECT, checksummed) so that overlaps another device write, even one of the same
+        file, then waits for the flush before it to finish and writes under io_lock.  So the
+        flushes of a file write, and drop their bytes from the buffer's front, in the order
+        they took them; a ``final`` flush returns after all earlier ones.  A flush whose bytes
+        were dropped meanwhile (an earlier one failed, the file was freed) writes nothing.
+        Lock order: io_lock, then Store.lock; turns are waited for holding neither."""
         s = self.s
-        assert not s.io_lock._is_owned(), "flush_data under io_lock (lock order)"
-        with self._flush_lock(ino):
-            with s.lock:
-                inode = s.inodes.get(ino)
-                if inode is None or not inode.wbuf:
-                    return
-                n = len(inode.wbuf)
-                if not final:
-                    n -= n % s.bs
-                    if n == 0:
-                        return
-                data = inode.wbuf.prefix(n)
-                off = inode.wbuf.off
-                inode.inflight = n
+        assert not s.io_lock._is_owned(), "flush_data under io_lock (it may wait for a turn)"
+        with s.lock:
+            inode = s.inodes.get(ino)
+            if inode is None:
+                return
+            wb = inode.wbuf
+            lo = inode.inflight
+            n = len(wb) - lo
+            if not final:
+                n -= n % s.bs
+            prev = inode.flush_turn
+            if n <= 0:
+                data = None
+            else:
                 if inode.hint is None:
                     inode.hint = s.hints.resolve_locked(inode)
                     if inode.hint.birth > s.now:
                         s.now = inode.hint.birth
                 hint = inode.hint
+                data = wb.take(lo, n)
+                off = wb.off + lo
+                epoch = inode.flush_epoch
+                inode.inflight = lo + n                    # taken: from here on, written or
+                mine = inode.flush_turn = threading.Event()  # dropped, never left behind
+        if data is None:                      # nothing new: just be after the earlier ones
+            if prev is not None:
+                prev.wait()
+            return
+        done = False
+        try:
             try:
                 staged = s.data.stage(data)
-            except BaseException:
-                with s.lock:      # e.g. MemoryError: the bytes stay buffered
-                    inode = s.inodes.get(ino)
-                    if inode is not None:
-                        inode.inflight = 0
-                raise
+            except MemoryError:
+                staged = None                 # written from the scatter list instead
+            if prev is not None:
+                prev.wait()
             with s.io_lock:
-                try:
-                    s.data.write_iolocked(ino, off, data, hint, staged=staged)
-                except FsError:
-                    with s.lock:  # drop the uncommittable bytes; committed data stay intact
-                        inode = s.inodes.get(ino)
-                        if inode is not None:
-                            inode.wbuf.clear()
-                            inode.inflight = 0
-                            inode.size = max((e.end for e in inode.extents), default=0)
-                    raise
                 with s.lock:
                     inode = s.inodes.get(ino)
-                    if inode is not None:
-                        inode.inflight = 0
-                        if inode.wbuf.off == off:
-                            inode.wbuf.drop(n)
+                    if (inode is None or inode.wbuf is not wb or inode.flush_epoch != epoch
+                            or wb.off != off):
+                        done = True           # dropped meanwhile: nothing of ours to write
+                        return
+                s.data.write_iolocked(ino, off, data, hint, staged=staged)
+                done = True
+                with s.lock:
+                    inode = s.inodes.get(ino)
+                    if inode is not None and inode.wbuf is wb:
+                        inode.inflight = max(0, inode.inflight - n)
+                        if wb.off == off:
+                            wb.drop(n)
                 s.maybe_flush_journal_iolocked()
+        except BaseException:
+            if not done:          # drop the uncommittable bytes; committed data stay intact
+                with s.lock:
+                    inode = s.inodes.get(ino)
+                    if inode is not None and inode.wbuf is wb:
+                        wb.clear()
+                        inode.inflight = 0
+                        inode.flush_epoch += 1
+                        inode.size = max((e.end for e in inode.extents), default=0)
+            raise
+        finally:
+            mine.set()
         s.reclaim.reset_empty_zones()
 
     def truncate(self, ino: int, size: int) -> None:

@@ -104,9 +104,14 @@ class WriteBuffer:
 
     def prefix(self, n: int) -> Chunks:
         """The first ``n`` bytes, as a zero-copy view."""
+        return self.take(0, n)
+
+    def take(self, lo: int, n: int) -> Chunks:
+        """Bytes [lo, lo + n) of the buffer (offsets from its start), as a zero-copy view;
+        the parts are immutable, so the view stays right while more is appended."""
         self._seal()
         c = Chunks(self.chunks)
-        return Chunks(c.slice(0, n))
+        return Chunks(c.slice(lo, lo + n))
 
     def drop(self, n: int) -> None:
         """Forget the first ``n`` bytes (they now live in a zone)."""

@@ -321,7 +321,7 @@ def test_lock_discipline_is_asserted(tmp_path):
                  lambda: s.journal_flush_iolocked(sync=False)):
         with pytest.raises(AssertionError):
             call()
-    with s.io_lock:                   # the lock order: a file's flush lock comes before io_lock
+    with s.io_lock:                   # a flush may wait for its turn: never under io_lock
         with pytest.raises(AssertionError):
             s.files.flush_data(ino, final=True)
     with s.lock:                      # Store.lock alone does not make io_lock functions legal
@@ -596,8 +596,8 @@ def test_two_flushers_and_interleaved_writers_of_one_file_keep_every_byte(tmp_pa
     io_lock.  Here four threads write four files in 1 MiB - 48 pieces (a Python buffer's FUSE
     split), and two of them also write the *same* file in two far-apart regions, so each
     write there finds the other's buffer non-contiguous and flushes it (``flush_data(final)``)
-    while a background flush of that file may be staging: the file's flush lock must keep
-    them from taking the same prefix.  Every byte must be right after a remount."""
+    while up to two background flushes of that file may be staging or writing: each must take
+    its own bytes and write them in turn.  Every byte must be right after a remount."""
     import threading
     path, dev, s = fresh(tmp_path, size=256 * MiB, zone=4 * MiB, flush_bytes=MiB)
     piece = MiB - 48
@@ -648,9 +648,9 @@ def test_two_flushers_and_interleaved_writers_of_one_file_keep_every_byte(tmp_pa
 
 
 def test_a_second_flush_of_a_file_never_takes_the_prefix_being_staged(tmp_path):
-    """A flush stages its prefix with no lock held; a second flush of the same file (a
-    commit, a non-contiguous write) arriving meanwhile must wait for it, not write the
-    same bytes again (or, worse, after newer bytes at that offset)."""
+    """A flush stages the bytes it took with no lock held; a second flush of the same file
+    (a commit, a non-contiguous write) arriving meanwhile must wait for its turn, not write
+    the same bytes again (or, worse, after newer bytes at that offset)."""
     import threading
     path, dev, s = fresh(tmp_path, flush_bytes=8 * MiB)
     ino = s.create(1, b"f", 0o644).ino
