@@ -39,6 +39,7 @@ class OpenFiles:
         with s.lock:
             inode = s.ns.get_locked(ino)
             inode.opens += 1
+            s.data.ra.opened(ino)
             return inode
 
     @staticmethod

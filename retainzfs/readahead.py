@@ -9,7 +9,12 @@ the FUSE event loop: no device call, no thread hop, no copy (the reply is taken 
 buffer).  A request that falls in a window still
 being read waits for it instead of reading the same bytes again.  Only a reader that has read
 ``START`` bytes in sequence gets windows: random reads (and mmap page faults, which the kernel
-widens to 4 MiB) read only what they ask.
+widens to 4 MiB) read only what they ask.  A reader that did, and then jumps by a request of
+``JUMP_MIN`` or more, gets windows where it lands at once (a DCP load reads a shard's items in
+dictionary order, each from its end, then from its start).  Windows never read what the file's
+readers were answered lately (``_File.served``, cleared at each open): the kernel's page cache
+holds it and will not ask again, so a window that reaches such bytes ends there instead of
+reading, say, the DCP item read just before this one.
 
 Why it cannot serve stale bytes: entries are zone ranges keyed by (zone, zone generation).
 Zone bytes below the write pointer never change until the zone is reset, and a reset bumps
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from bisect import bisect_left
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -49,6 +55,10 @@ BEHIND_BUDGET = MAX_FILES * AHEAD * WINDOW // 2
 #: bytes read in sequence before the windows start: more than the kernel's own readaround of
 #: one mmap fault (``read_ahead_kb``, 4 MiB), so random page faults never trigger them
 START = 8 * MiB
+#: a request at least this large, by a reader already sequential, starts windows where it is
+JUMP_MIN = 128 << 10
+#: ranges answered lately remembered per file (windows never read them again)
+SERVED = 64
 
 
 class _Seg:
@@ -62,11 +72,13 @@ class _Seg:
 
 
 class _File:
-    __slots__ = ("last_end", "streak", "segs", "pf_end", "pending")
+    __slots__ = ("last_end", "streak", "seq", "served", "segs", "pf_end", "pending")
 
     def __init__(self) -> None:
         self.last_end = -1                 # end of the previous request (sequential test)
         self.streak = 0                    # bytes read in sequence up to last_end
+        self.seq = False                   # has read START bytes in sequence once
+        self.served: list[list[int]] = []  # file ranges answered lately, sorted, merged
         self.segs: list[_Seg] = []
         self.pf_end = 0                    # end of the file range read ahead (done or pending)
         self.pending: list[tuple[int, int, Future]] = []   # (start, end, future) in flight
@@ -92,6 +104,34 @@ def _trim(f: _File, off: int, keep) -> None:
         drop.add(id(g))
         held -= len(g.view)
     f.segs = [g for g in f.segs if id(g) not in drop]
+
+
+def _note_served(f: _File, a: int, b: int) -> None:
+    """Add [a, b) to the ranges answered lately (the kernel's page cache holds them: it will
+    not ask again, so no window reads them again).  At most SERVED ranges are kept (the one
+    farthest from the newest goes)."""
+    r = f.served
+    i = bisect_left(r, [a])
+    if i and r[i - 1][1] >= a:
+        i -= 1
+    j = i
+    while j < len(r) and r[j][0] <= b:
+        a, b = min(a, r[j][0]), max(b, r[j][1])
+        j += 1
+    r[i:j] = [[a, b]]
+    if len(r) > SERVED:                 # forget the range farthest from this one
+        del r[0 if a - r[0][1] > r[-1][0] - b else -1]
+
+
+def _clip(f: _File, start: int, end: int) -> int:
+    """``end`` cut where a range answered lately begins (``start`` if inside one)."""
+    r = f.served
+    i = bisect_left(r, [start])
+    if i and r[i - 1][1] > start:
+        return start
+    if i < len(r) and r[i][0] < end:
+        return max(start, r[i][0])
+    return end
 
 
 class ReadAhead:
@@ -133,6 +173,7 @@ class ReadAhead:
             self.files.move_to_end(ino)
             f.streak = f.streak + size if off == f.last_end else size
             f.last_end = off + size
+            _note_served(f, off, off + size)
             _trim(f, off, self._keep_behind_locked)
             self.hits += 1
             nxt = self._windows(f, off + size)
@@ -172,8 +213,14 @@ class ReadAhead:
                     self.files.popitem(last=False)
             f.streak = f.streak + size if off == f.last_end else size
             f.last_end = off + size
+            _note_served(f, off, off + size)
             nxt = []
             if f.streak >= START:
+                f.seq = True
+            # A file once read in sequence that jumps (a DCP load reads a shard's items in
+            # dictionary order: each from its end, then its start, the items often backwards)
+            # gets windows where it lands at once; they end where it has read before.
+            if f.seq and (f.streak >= START or size >= JUMP_MIN):
                 pos = off + size
                 # requests arrive out of order (the kernel has several in flight): a miss
                 # behind or inside what is held or coming keeps it; only a reader that left
@@ -187,9 +234,13 @@ class ReadAhead:
         for w in nxt:
             self._submit(ino, *w)
 
-    def forget(self, ino: int) -> None:
+    def opened(self, ino: int) -> None:
+        """A new open of the file: what it read before may have left the page cache since
+        (a restore after ``drop_caches``, memory pressure), so windows may read it again."""
         with self.lock:
-            self.files.pop(ino, None)
+            f = self.files.get(ino)
+            if f is not None:
+                f.served.clear()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -204,8 +255,11 @@ class ReadAhead:
         out = []
         while f.pf_end - pos < AHEAD * WINDOW and len(f.pending) + len(out) < AHEAD:
             start = max(f.pf_end, pos)
-            f.pf_end = start + WINDOW
-            out.append((start, start + WINDOW))
+            end = _clip(f, start, start + WINDOW)
+            if end <= start:
+                break                      # read before: the kernel has it
+            f.pf_end = end
+            out.append((start, end))
         return out
 
     def _submit(self, ino: int, start: int, end: int) -> None:

@@ -326,14 +326,16 @@ def test_readahead_serves_hits_and_never_stale_bytes(tmp_path):
                 s.read(ino, base * MiB + k * MiB, MiB)
         time.sleep(0.2)
         assert s.status()["readahead"]["bytes"] == before
-        for off in range(0, START, MiB):                       # a new sequence from 0...
-            s.read(ino, off, MiB)
+        s.open(ino)                                            # a new reader (what the
+        for off in range(0, START, MiB):                       # last one read may have left
+            s.read(ino, off, MiB)                              # the page cache): from 0...
         for _ in range(200):                                   # ...its windows arrive
             hit = s.data.read_cached(ino, START, MiB)          # the event loop's path
             if hit is not None:
                 break
             time.sleep(0.01)
         assert hit is not None and bytes(hit) == a[START:START + MiB]
+        s.release(ino)
         # overwrite the middle, read it again: the new extent's bytes
         new = os.urandom(2 * MiB)
         s.open(ino)
@@ -455,3 +457,62 @@ def test_gather_refuses_short_parts_and_short_padding():
         I.gather([b"x" * 10], 11, 4096)
     with pytest.raises(ValueError):
         I.gather([b"x" * 10], 10, 9)
+
+
+def test_a_dcp_shard_read_backwards_item_by_item_reads_each_byte_about_once(tmp_path):
+    """A DCP load with FileSystemWriter(thread_count=4) shards reads each shard's items in
+    dictionary order, which there is *backwards* through the file, and each item as
+    ``torch.load`` does: a read at its end (the zip records), then from its start.  The
+    windows start where the reader lands and end where it has read before (the kernel holds
+    those bytes): before, they ran on past each item's end into the item read just before,
+    and the device read the shard ~1.3x over while the reads themselves missed."""
+    from retainzfs.readahead import START
+    dev, s = _store(tmp_path, size=128 * MiB)
+    try:
+        sizes = [2, 3, 4, 5, 6, 7, 9, 10, 11, 12]                     # MiB, like bench_dcp's
+        a = os.urandom(sum(sizes) * MiB)
+        ino = _put(s, b"shard", a)
+        seen = _device_reads(dev)
+        for off in range(0, START, MiB):                             # (an earlier sequence)
+            s.read(ino, len(a) - START + off, MiB)
+        starts, pos = [], 0
+        for n in sizes:
+            starts.append((pos, n * MiB))
+            pos += n * MiB
+        for start, n in reversed(starts[:-1]):                       # backwards, item by item
+            end = start + n
+            assert s.read(ino, end - 128 * KiB, 128 * KiB) == a[end - 128 * KiB:end]
+            for off in range(start, end - 128 * KiB, MiB):
+                want = a[off:min(off + MiB, end - 128 * KiB)]
+                assert s.read(ino, off, len(want)) == want
+                time.sleep(0.003)                                    # the windows arrive
+        assert seen[0] <= 1.1 * len(a), f"read {seen[0] / len(a):.2f}x the shard"
+        assert s.status()["readahead"]["hits"] > 20
+    finally:
+        s.close()
+        dev.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(ranges=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 12)), max_size=40),
+       probe=st.tuples(st.integers(0, 70), st.integers(1, 20)))
+def test_served_ranges_merge_and_clip_windows_like_a_byte_set(ranges, probe):
+    """The ranges a file's reader was answered lately (``readahead._note_served``) stay
+    sorted, disjoint and merged; ``_clip`` cuts a window exactly where the first served byte
+    at or after its start is — in units here, any offsets (bytes) in the store."""
+    from retainzfs import readahead as RA
+    f = RA._File()
+    held = set()
+    keep = RA.SERVED
+    for a, n in ranges:
+        RA._note_served(f, a, a + n)
+        held |= set(range(a, a + n))
+    r = f.served
+    assert all(x[0] < x[1] for x in r) and all(r[i][1] < r[i + 1][0] for i in range(len(r) - 1))
+    if len(ranges) <= keep:                   # nothing forgotten: exactly the bytes noted
+        assert set().union(*(set(range(a, b)) for a, b in r)) == held
+    got = set().union(*(set(range(a, b)) for a, b in r)) if r else set()
+    start, n = probe
+    end = start + n
+    cut = next((x for x in range(start, end) if x in got), end)
+    assert RA._clip(f, start, end) == cut
