@@ -9,12 +9,13 @@ the FUSE event loop: no device call, no thread hop, no copy (the reply is taken 
 buffer).  A request that falls in a window still
 being read waits for it instead of reading the same bytes again.  Only a reader that has read
 ``START`` bytes in sequence gets windows: random reads (and mmap page faults, which the kernel
-widens to 4 MiB) read only what they ask.  A reader that did, and then jumps by a request of
-``JUMP_MIN`` or more, gets windows where it lands at once (a DCP load reads a shard's items in
-dictionary order, each from its end, then from its start).  Windows never read what the file's
-readers were answered lately (``_File.served``, cleared at each open): the kernel's page cache
-holds it and will not ask again, so a window that reaches such bytes ends there instead of
-reading, say, the DCP item read just before this one.
+widens to 4 MiB) read only what they ask.  (Starting windows at once where a reader that was
+sequential jumps to, for a DCP load's item order, made random mmap reads after a sequential
+pass 2x slower, each 4 MiB fault growing 12 MiB of windows: not done.)  Windows never read what
+the file's readers were answered lately (``_File.served``, cleared at each open): the kernel's
+page cache holds it and will not ask again, so a window that reaches such bytes ends there
+instead of reading, say, the DCP item read just before this one (a shard written by 4 threads
+is read backwards, item by item).
 
 Why it cannot serve stale bytes: entries are zone ranges keyed by (zone, zone generation).
 Zone bytes below the write pointer never change until the zone is reset, and a reset bumps
@@ -55,8 +56,6 @@ BEHIND_BUDGET = MAX_FILES * AHEAD * WINDOW // 2
 #: bytes read in sequence before the windows start: more than the kernel's own readaround of
 #: one mmap fault (``read_ahead_kb``, 4 MiB), so random page faults never trigger them
 START = 8 * MiB
-#: a request at least this large, by a reader already sequential, starts windows where it is
-JUMP_MIN = 128 << 10
 #: ranges answered lately remembered per file (windows never read them again)
 SERVED = 64
 
@@ -72,12 +71,11 @@ class _Seg:
 
 
 class _File:
-    __slots__ = ("last_end", "streak", "seq", "served", "segs", "pf_end", "pending")
+    __slots__ = ("last_end", "streak", "served", "segs", "pf_end", "pending")
 
     def __init__(self) -> None:
         self.last_end = -1                 # end of the previous request (sequential test)
         self.streak = 0                    # bytes read in sequence up to last_end
-        self.seq = False                   # has read START bytes in sequence once
         self.served: list[list[int]] = []  # file ranges answered lately, sorted, merged
         self.segs: list[_Seg] = []
         self.pf_end = 0                    # end of the file range read ahead (done or pending)
@@ -216,11 +214,6 @@ class ReadAhead:
             _note_served(f, off, off + size)
             nxt = []
             if f.streak >= START:
-                f.seq = True
-            # A file once read in sequence that jumps (a DCP load reads a shard's items in
-            # dictionary order: each from its end, then its start, the items often backwards)
-            # gets windows where it lands at once; they end where it has read before.
-            if f.seq and (f.streak >= START or size >= JUMP_MIN):
                 pos = off + size
                 # requests arrive out of order (the kernel has several in flight): a miss
                 # behind or inside what is held or coming keeps it; only a reader that left
