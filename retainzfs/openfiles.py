@@ -134,8 +134,12 @@ class OpenFiles:
     def flush_background(self, ino: int) -> None:
         """Queue a zone write of the full buffer.  At most two flushes of a file in flight, the
         second only while a flusher is free: then one stages the next chunk while the other
-        writes, even for a single file; with many files, each keeps one (bounded RAM)."""
+        writes, even for a single file; with many files, each keeps one (bounded RAM).
+        With ``StoreOptions.inline_flush`` the caller's thread flushes, in turn."""
         s = self.s
+        if s.opts.inline_flush:
+            self.flush_data(ino, final=False)
+            return
         with s.lock:
             inode = s.inodes.get(ino)
             if inode is None:

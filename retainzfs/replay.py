@@ -176,7 +176,8 @@ class _Replayer:
                      gc_reserve=self.o.gc_reserve)
         so = StoreOptions(allocator=self.o.policy, lam=self.o.lam, hint_grid=self.o.hint_grid,
                           gc_reserve=self.o.gc_reserve, common_admission=self.o.common_admission,
-                          fullscan=self.o.fullscan, **self.o.store_kwargs)
+                          fullscan=self.o.fullscan,
+                          **({"inline_flush": True} | self.o.store_kwargs))
         self.store = Store(self.dev, so)
         self.root = self.store.root().ino
 

@@ -97,6 +97,9 @@ class StoreOptions:
     common_admission: bool = False
     fullscan: bool = False
     readonly: bool = False        # status/fsck of an unmounted target: never write repairs
+    #: a full write buffer is flushed in the writer's own thread, not in the background: how
+    #: much each flush takes no longer depends on timing (``replay``: repeatable placement)
+    inline_flush: bool = False
 
 
 class Store:
