@@ -58,6 +58,8 @@ BEHIND_BUDGET = MAX_FILES * AHEAD * WINDOW // 2
 START = 8 * MiB
 #: ranges answered lately remembered per file (windows never read them again)
 SERVED = 64
+#: ... if at least this long (see ``_clip``)
+CLIP_MIN = 1 * MiB
 
 
 class _Seg:
@@ -121,14 +123,17 @@ def _note_served(f: _File, a: int, b: int) -> None:
         del r[0 if a - r[0][1] > r[-1][0] - b else -1]
 
 
-def _clip(f: _File, start: int, end: int) -> int:
-    """``end`` cut where a range answered lately begins (``start`` if inside one)."""
-    r = f.served
-    i = bisect_left(r, [start])
-    if i and r[i - 1][1] > start:
-        return start
-    if i < len(r) and r[i][0] < end:
-        return max(start, r[i][0])
+def _clip(f: _File, start: int, end: int, min_len: int = CLIP_MIN) -> int:
+    """``end`` cut where a range of at least ``min_len`` answered lately begins (``start`` if
+    inside one).  Shorter ranges are read again: a DCP load read forwards reads each item's
+    zip records (128 KiB at its end) before its data, and the windows must run on past
+    them into the next item; read backwards, the item after is a large range."""
+    for a, b in f.served:
+        if b <= start or b - a < min_len:
+            continue
+        if a >= end:
+            break
+        return max(start, a)
     return end
 
 

@@ -496,11 +496,12 @@ def test_a_dcp_shard_read_backwards_item_by_item_reads_each_byte_about_once(tmp_
 
 @settings(max_examples=200, deadline=None)
 @given(ranges=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 12)), max_size=40),
-       probe=st.tuples(st.integers(0, 70), st.integers(1, 20)))
-def test_served_ranges_merge_and_clip_windows_like_a_byte_set(ranges, probe):
+       probe=st.tuples(st.integers(0, 70), st.integers(1, 20)), min_len=st.integers(1, 9))
+def test_served_ranges_merge_and_clip_windows_like_a_byte_set(ranges, probe, min_len):
     """The ranges a file's reader was answered lately (``readahead._note_served``) stay
     sorted, disjoint and merged; ``_clip`` cuts a window exactly where the first served byte
-    at or after its start is — in units here, any offsets (bytes) in the store."""
+    at or after its start is, counting only ranges of ``min_len`` or more — in units here,
+    any offsets (bytes) in the store."""
     from retainzfs import readahead as RA
     f = RA._File()
     held = set()
@@ -512,11 +513,12 @@ def test_served_ranges_merge_and_clip_windows_like_a_byte_set(ranges, probe):
     assert all(x[0] < x[1] for x in r) and all(r[i][1] < r[i + 1][0] for i in range(len(r) - 1))
     if len(ranges) <= keep:                   # nothing forgotten: exactly the bytes noted
         assert set().union(*(set(range(a, b)) for a, b in r)) == held
-    got = set().union(*(set(range(a, b)) for a, b in r)) if r else set()
+    long = [(a, b) for a, b in r if b - a >= min_len]
+    got = set().union(*(set(range(a, b)) for a, b in long)) if long else set()
     start, n = probe
     end = start + n
     cut = next((x for x in range(start, end) if x in got), end)
-    assert RA._clip(f, start, end) == cut
+    assert RA._clip(f, start, end, min_len) == cut
 
 
 def test_mmap_faults_after_a_sequential_pass_and_a_new_open_read_no_windows(tmp_path):
