@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
+from time import perf_counter
 
 from . import hints as H
 from . import records as R
@@ -395,6 +396,7 @@ class DataPath:
         ``staged``: ``data`` already copied and checksummed by ``stage``."""
         s = self.s
         assert s.io_lock._is_owned(), "write_iolocked without io_lock"
+        t_loop = perf_counter()
         bs = s.bs
         dev = s.dev
         stats = s.stats
@@ -421,7 +423,9 @@ class DataPath:
             zoff = dev.zone(zone).wp
             if crcs is None:
                 crcs = crcs_of(chunk, nbytes)     # on the buffers in hand, before the write
+            t_dev = perf_counter()
             dev.write(zone, zoff, chunk)
+            stats["device_write_s"] += perf_counter() - t_dev
             s._wgen += 1
             with s.lock:
                 zg = s.zgen[zone]
@@ -441,3 +445,4 @@ class DataPath:
                     stats["gc_copied_bytes"] += nbytes
                     self._relocate_locked(ino, copy_from, pos, payload, zone, zg, zoff, reclaim)
             pos += payload
+        stats["data_write_s"] += perf_counter() - t_loop

@@ -57,6 +57,14 @@ class StoreCollector:
             c = CounterMetricFamily(name.removesuffix("_total"), doc)
             c.add_metric([], float(st[key]))
             yield c
+        for name, key, doc in (
+                ("retainzfs_data_write_seconds", "data_write_seconds",
+                 "Seconds in the zone write loop (io_lock held), data and GC copies"),
+                ("retainzfs_device_write_seconds", "device_write_seconds",
+                 "Seconds of those in the device writes")):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(st[key]))
+            yield c
         yield GaugeMetricFamily("retainzfs_capacity_stop", "1 after an ENOSPC until space is "
                                 "freed", value=1.0 if st["capacity_stop"] else 0.0)
         h = self.store.report.commit_hist

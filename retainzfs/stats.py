@@ -123,6 +123,10 @@ class StoreStats:
                 "format_version": s.sb.version,
                 "tuning": dict(s.tuning),
                 "readahead": {"hits": s.data.ra.hits, "bytes": s.data.ra.prefetched},
+                # where io_lock goes: seconds in the write loop (data and GC copies, io_lock
+                # held) and, of those, in the device writes themselves
+                "data_write_seconds": round(st["data_write_s"], 6),
+                "device_write_seconds": round(st["device_write_s"], 6),
             }
 
     def zone_map(self, first: int = 0, count: int | None = None) -> dict:

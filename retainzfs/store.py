@@ -161,7 +161,9 @@ class Store:
         self.journal.ensure_open = self._ensure_open_slot
         self.stats = {"payload_bytes": 0, "pad_bytes": 0, "gc_copied_bytes": 0, "zone_resets": 0,
                       "zone_finishes": 0, "commits": 0, "enospc": 0, "gc_runs": 0, "gc_aborted": 0,
-                      "checksum_errors": 0, "stale_extents": 0}
+                      "checksum_errors": 0, "stale_extents": 0,
+                      # seconds in the write loop (io_lock held) and in its device writes
+                      "data_write_s": 0.0, "device_write_s": 0.0}
         self.csums = ZoneChecksums()
         self.zgen = [0] * dev.nr_zones          # reset generation of every zone
         self._bad_pieces: set[tuple[int, int]] = set()

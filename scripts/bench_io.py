@@ -53,6 +53,13 @@ def read_file(path: str) -> int:
         os.close(fd)
 
 
+def status(mnt: str) -> dict:
+    """``retainzfs status --json`` of the mount."""
+    r = subprocess.run(["retainzfs", "status", mnt, "--json"], check=True,
+                       capture_output=True, text=True)
+    return json.loads(r.stdout)
+
+
 def parallel(fn, args_list) -> None:
     ts = [threading.Thread(target=fn, args=a) for a in args_list]
     for t in ts:
@@ -94,9 +101,16 @@ def figures(root: str, size: int, pid: int | None = None) -> dict:
         mm.close()
     os.unlink(p)
     per = max(REQ, size // 8 // REQ * REQ)
+    st0 = status(root) if pid else None
     t = time.perf_counter()
     parallel(write_file, [(os.path.join(root, f"w{i}"), per, buf) for i in range(8)])
     out["8_writers"] = time.perf_counter() - t
+    if st0 is not None:                  # where io_lock went during the 8 writers
+        st1 = status(root)
+        held = st1["data_write_seconds"] - st0["data_write_seconds"]
+        dev = st1["device_write_seconds"] - st0["device_write_seconds"]
+        out["8w_io_lock_share"] = held / out["8_writers"]
+        out["8w_device_share_of_lock"] = dev / held if held else 0.0
     drop_caches()
     t = time.perf_counter()
     parallel(read_file, [(os.path.join(root, f"w{i}"),) for i in range(8)])
@@ -159,7 +173,8 @@ def main() -> int:
         table[k] = {"retainzfs_s": rz, "plain_s": pl, "ratio": pl / rz if rz else 0.0,
                     "target": target}
     daemon = {k: statistics.median(x[k] for x in res["retainzfs"])
-              for k in ("write_cpu_s_per_gib", "read_cpu_s_per_gib", "peak_rss_mib")}
+              for k in ("write_cpu_s_per_gib", "read_cpu_s_per_gib", "peak_rss_mib",
+                        "8w_io_lock_share", "8w_device_share_of_lock")}
     if a.json:
         print(json.dumps({"size": size, "rounds": a.rounds, "figures": table, "daemon": daemon},
                          indent=2))
@@ -173,6 +188,9 @@ def main() -> int:
         print(f"  daemon: {daemon['write_cpu_s_per_gib']:.2f} CPU s per GiB written, "
               f"{daemon['read_cpu_s_per_gib']:.2f} per GiB read, peak RSS "
               f"{daemon['peak_rss_mib']:.0f} MiB (target 300)")
+        print(f"  8 writers: the zone write loop held io_lock {daemon['8w_io_lock_share']:.0%} "
+              f"of the run, {daemon['8w_device_share_of_lock']:.0%} of that in device writes "
+              f"(status: data_write_seconds, device_write_seconds)")
     return 0
 
 

@@ -684,3 +684,16 @@ def test_a_second_flush_of_a_file_never_takes_the_prefix_being_staged(tmp_path):
     assert s.read(ino, 0, len(data) + 1) == data and s.check() == []
     s.close()
     dev.close()
+
+
+def test_status_says_where_io_lock_goes(tmp_path):
+    """``status`` reports the seconds spent in the zone write loop (io_lock held) and, of
+    those, in the device writes: what ``bench_io`` prints for 8 writers."""
+    path, dev, s = fresh(tmp_path)
+    st0 = s.status()
+    assert st0["data_write_seconds"] == 0 and st0["device_write_seconds"] == 0
+    put(s, 1, b"f", os.urandom(3 * MiB))
+    st = s.status()
+    assert 0 < st["device_write_seconds"] <= st["data_write_seconds"]
+    s.close()
+    dev.close()
