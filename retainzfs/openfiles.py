@@ -4,7 +4,8 @@ Owns the ``rz-flush`` workers (two; at most two zone writes of a file in flight,
 ``Inode.flushing``/``flushing_prev``) and the per-inode buffer state (``wbuf``, ``inflight``,
 ``flush_turn``, ``flush_err``, ``dirty``).  Buffered bytes go to zones through the data path's
 write loop (``flush_data``: take bytes and a turn under Store.lock, stage them with no lock,
-wait for the turn, then io_lock, then Store.lock for the bookkeeping).  ``buffer_write`` is the one entry the event loop calls: Store.lock only, no I/O.
+wait for the turn, then io_lock, then Store.lock for the bookkeeping).  ``buffer_write`` is
+the one entry the event loop calls: Store.lock only, no I/O.
 """
 from __future__ import annotations
 
