@@ -313,14 +313,21 @@ class Store:
             plan = self.journal.prepare()
             if plan is None and not sync:
                 return
-        g = self._wgen = self._wgen + (plan is not None)
         self.journal.commit(plan, sync=sync)
+        # Counted only once written: a device flush on another thread (an fsync of another
+        # file, a reset, the periodic sync: none holds io_lock) that read the count before
+        # the frame was written must not pass for a flush of it.  Counting it first let an
+        # fsync return with its INODE/EXTENT records still in the page cache (a power-cut
+        # campaign lost an fsynced shard that way).  No other thread moves the count while
+        # io_lock is held, so with ``sync`` the flush just made covers exactly this many.
+        self._wgen += plan is not None
         if sync:
-            self._sgen = max(self._sgen, g)
+            self._sgen = max(self._sgen, self._wgen)
 
     def device_flush(self) -> None:
         """Flush the device; written data and journal frames before it are durable after it
-        (no lock: ``Reclaim`` calls it with ``io_lock`` let go)."""
+        (no lock: ``Reclaim`` calls it with ``io_lock`` let go).  ``_wgen`` counts writes
+        once they completed, so what it says before the flush, the flush covers."""
         g = self._wgen
         self.dev.flush()
         self._sgen = max(self._sgen, g)

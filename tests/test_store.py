@@ -697,3 +697,43 @@ def test_status_says_where_io_lock_goes(tmp_path):
     assert 0 < st["device_write_seconds"] <= st["data_write_seconds"]
     s.close()
     dev.close()
+
+
+def test_an_fsync_is_not_satisfied_by_a_flush_that_began_before_its_journal_frame(tmp_path):
+    """Regression (power-cut campaign, stop 12: an fsynced 1.7 MB shard came back 0 bytes).
+    The count of device writes was bumped *before* a journal frame was written, so a device
+    flush on another thread (another file's fsync, the periodic sync) that read the count in
+    between passed for a flush of that frame, and the fsync returned with its INODE/EXTENT
+    records only in the page cache.  Here that flush is made to run exactly then; the fsync
+    must still flush the device after its frame is written."""
+    import threading
+    path, dev, s = fresh(tmp_path)
+    events = []
+    real_flush, real_commit = dev.flush, s.journal.commit
+    dev.flush = lambda: (events.append("flush"), real_flush())[1]
+    entered, go = threading.Event(), threading.Event()
+
+    def commit(plan, sync):
+        if (plan is not None and threading.current_thread().name == "fsyncer"
+                and not entered.is_set()):
+            entered.set()
+            assert go.wait(10)            # the other thread's flush runs now
+        real_commit(plan, sync=sync)
+        if plan is not None:
+            events.append("frame")
+    s.journal.commit = commit
+    ino = s.create(1, b"shard", 0o644).ino
+    s.open(ino)
+    s.write(ino, 0, os.urandom(1_754_842))
+    t = threading.Thread(target=s.commit, args=(ino, True), name="fsyncer")
+    t.start()
+    assert entered.wait(10)
+    s.device_flush()                      # e.g. another file's fsync, outside io_lock
+    go.set()
+    t.join(10)
+    assert not t.is_alive()
+    last_frame = max(i for i, e in enumerate(events) if e == "frame")
+    assert "flush" in events[last_frame + 1:], events
+    s.release(ino)
+    s.close()
+    dev.close()
