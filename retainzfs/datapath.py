@@ -33,13 +33,14 @@ STAGE_MIN = 256 << 10
 
 
 class Staged:
-    """A flush copied into one page-aligned, block-padded buffer with its checksums, made
-    with no lock held.  ``write_iolocked`` uses it when the bytes go to the device as one
-    run (the usual case); a run split where a zone ends falls back to the scatter list."""
-    __slots__ = ("buf", "padded", "crcs")
+    """A flush copied into one page-aligned, block-padded buffer (its length is the padded
+    length) with its checksums, made with no lock held.  ``write_iolocked`` uses it when the
+    bytes go to the device as one run (the usual case); a run split where a zone ends falls
+    back to the scatter list."""
+    __slots__ = ("buf", "crcs")
 
-    def __init__(self, buf, padded: int, crcs) -> None:
-        self.buf, self.padded, self.crcs = buf, padded, crcs
+    def __init__(self, buf, crcs) -> None:
+        self.buf, self.crcs = buf, crcs
 
 log = logging.getLogger("retainzfs")
 
@@ -376,7 +377,7 @@ class DataPath:
             return None
         padded = -(-n // self.s.bs) * self.s.bs
         buf = gather(data.parts, n, padded)
-        return Staged(buf, padded, crcs_of([buf], padded))
+        return Staged(buf, crcs_of([buf], padded))
 
     def write_iolocked(self, ino: int, off: int, data: Chunks, hint: H.Hint,
                        copy_from: tuple[int, int] | None = None,
@@ -412,7 +413,7 @@ class DataPath:
                 zone, nbytes = self.place_copy_iolocked(padded, hint, copy_from[0])
             payload = min(nbytes, remaining)
             pad = nbytes - payload
-            if staged is not None and pos == 0 and nbytes == staged.padded:
+            if staged is not None and pos == 0 and nbytes == len(staged.buf):
                 chunk, crcs = staged.buf, staged.crcs     # one run: as staged
             else:
                 chunk = data.slice(pos, pos + payload)

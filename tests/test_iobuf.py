@@ -159,14 +159,20 @@ def test_direct_image_routes_small_io_through_the_page_cache(tmp_path):
         dev.close()
 
 
+def _write_remount_read(m, size: int) -> bytes:
+    """Write ``size`` random bytes through mount ``m``, remount, read them back."""
+    data = os.urandom(size)
+    (m / "f").write_bytes(data)
+    m.remount()
+    assert (m / "f").read_bytes() == data
+    return data
+
+
 def test_mount_uses_o_direct_and_says_so(make_image, mount_image, tmp_path):
     img = make_image()
     m = mount_image(img)
     assert m.status()["tuning"]["image_io"] == "direct"
-    data = os.urandom(9 * MiB + 123)
-    (m / "f").write_bytes(data)
-    m.remount()
-    assert (m / "f").read_bytes() == data
+    data = _write_remount_read(m, 9 * MiB + 123)
     m.umount()
     b = mount_image(img, "image_io=buffered", name="mb")
     assert b.status()["tuning"]["image_io"] == "buffered"
@@ -197,10 +203,7 @@ def test_an_image_on_a_fuse_host_is_not_opened_with_o_direct(mounted, mount_imag
         dev.close()
     inner = mount_image(img, name="inner")
     assert inner.status()["tuning"]["image_io"] == "buffered"
-    data = os.urandom(5 * MiB + 7)
-    (inner / "f").write_bytes(data)
-    inner.remount()
-    assert (inner / "f").read_bytes() == data
+    _write_remount_read(inner, 5 * MiB + 7)
     inner.umount()
 
 
