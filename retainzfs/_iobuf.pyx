@@ -297,6 +297,41 @@ def gather(parts, Py_ssize_t n, Py_ssize_t padded):
     return b
 
 
+def assemble(parts, Py_ssize_t size):
+    """One reply of ``size`` bytes from pieces: ``parts`` = [(dst, buffer)], each copied to
+    ``dst`` (a later part overwrites an earlier one where they overlap, e.g. buffered bytes
+    over a zone's), the bytes no part covers zeros (a hole).  A pooled page-aligned
+    AlignedBuf, filled with the GIL released.
+
+    Why: a 1 MiB read whose bytes lie in two extents (8 writers' flushes interleave in one
+    zone, so about one request in four) was put together in a fresh ``bytearray`` on the
+    FUSE loop, holding the GIL: a 1 MiB allocation (pages faulted in and zeroed by the
+    kernel, given back at free) and two copies, 12 % of the loop's time for 8 readers."""
+    cdef AlignedBuf b = AlignedBuf(<size_t>size)
+    cdef Py_buffer pb
+    cdef Py_ssize_t dst, take, covered = 0
+    cdef bint sequential = True
+    for dst, _ in parts:                 # pieces in order with no gap: nothing to zero
+        if dst != covered:
+            sequential = False
+            break
+        covered += len(_)
+    if not sequential or covered < size:
+        with nogil:
+            memset(b.mem, 0, size)
+    for dst, p in parts:
+        if dst < 0 or dst >= size:
+            raise ValueError(f"assemble: part at {dst} outside [0, {size})")
+        PyObject_GetBuffer(p, &pb, PyBUF_SIMPLE)
+        try:
+            take = min(pb.len, size - dst)
+            with nogil:
+                memcpy(b.mem + dst, pb.buf, take)
+        finally:
+            PyBuffer_Release(&pb)
+    return b
+
+
 def crc32c(data, unsigned int value=0):
     """CRC32C of a buffer, continued from ``value`` (same results as ``crc32c.crc32c``)."""
     cdef Py_buffer pb

@@ -18,7 +18,7 @@ from time import perf_counter
 from . import hints as H
 from . import records as R
 from ._alloc import NoSpace
-from ._iobuf import gather
+from ._iobuf import assemble, gather
 from .csums import ZoneChecksums, crcs_of
 from .device import ZoneCond
 from .errors import FsError, StaleRead
@@ -95,16 +95,15 @@ class DataPath:
                     data = self.verified_read(segs[0][1], segs[0][2], size, ino, off, gens)
                     out = data if view or type(data) is bytes else bytes(data)
                 else:
-                    out = bytearray(size)
-                    for dst, zone, zoff, length in segs:
-                        out[dst:dst + length] = self.verified_read(zone, zoff, length, ino,
-                                                                   off + dst, gens)
+                    parts = [(dst, self.verified_read(zone, zoff, length, ino, off + dst, gens))
+                             for dst, zone, zoff, length in segs]
+                    if overlay is not None:
+                        parts.append(overlay)      # buffered bytes over the zones'
+                    out = assemble(parts, size)    # holes read as zeros
             except StaleRead:
                 continue
             if not self.gens_hold(gens):
                 continue
-            if overlay is not None:
-                out[overlay[0]:overlay[0] + len(overlay[1])] = overlay[1]
             return out if view or type(out) is bytes else bytes(out)
 
     def gens_locked(self, segs) -> dict[int, int]:

@@ -39,6 +39,7 @@ from bisect import bisect_left
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ._iobuf import assemble
 from .errors import FsError, StaleRead
 
 log = logging.getLogger("retainzfs")
@@ -184,10 +185,7 @@ class ReadAhead:
             self._submit(ino, *w)
         if len(parts) == 1 and parts[0][0] == 0 and len(parts[0][1]) == size:
             return parts[0][1]
-        out = bytearray(size)              # a hole reads as zeros, as in DataPath.read
-        for dst, v in parts:
-            out[dst:dst + len(v)] = v
-        return out
+        return assemble(parts, size)       # a hole reads as zeros, as in DataPath.read
 
     def _keep_behind_locked(self) -> int:
         """``KEEP_BEHIND`` while all files' windows hold less than ``BEHIND_BUDGET``, else 0

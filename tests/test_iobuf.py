@@ -463,6 +463,44 @@ def test_gather_refuses_short_parts_and_short_padding():
         I.gather([b"x" * 10], 10, 9)
 
 
+@settings(max_examples=150, deadline=None)
+@given(size=st.one_of(st.integers(0, 3 * 4096 + 5),
+                      st.sampled_from([4095, 4096, 4097, 64 * KiB - 1, 64 * KiB, 64 * KiB + 1,
+                                       MiB - 48, MiB - 1, MiB, MiB + 1])),
+       cuts=st.lists(st.integers(0, MiB + 1), max_size=4),
+       holes=st.lists(st.booleans(), max_size=6), overlay=st.one_of(
+           st.none(), st.tuples(st.integers(0, MiB), st.integers(1, 5000))))
+def test_assemble_puts_parts_at_their_offsets_and_zeros_the_holes(size, cuts, holes, overlay):
+    """``assemble`` (a read reply from extents, readahead windows and buffered bytes) against
+    a bytearray model: parts in order, some left out (holes), an overlay written last over
+    them; from a pool dirtied first, so a hole that is not zeroed shows."""
+    dirty = I.gather([b"\xff" * max(size, 1)], max(size, 1), max(size, 1))
+    del dirty
+    data = os.urandom(size)
+    bounds = sorted({min(c, size) for c in cuts} | {0, size})
+    model = bytearray(size)
+    parts = []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if i < len(holes) and holes[i]:
+            continue                                  # a hole: zeros
+        parts.append((a, memoryview(data)[a:b] if i % 2 else data[a:b]))
+        model[a:b] = data[a:b]
+    if overlay is not None and size:
+        o = overlay[0] % size
+        ov = bytes([7]) * min(overlay[1], size - o)
+        parts.append((o, ov))
+        model[o:o + len(ov)] = ov
+    got = memoryview(I.assemble(parts, size))
+    assert got.nbytes == size and bytes(got) == bytes(model)
+
+
+def test_assemble_refuses_a_part_outside_the_reply():
+    with pytest.raises(ValueError):
+        I.assemble([(4096, b"x")], 4096)
+    with pytest.raises(ValueError):
+        I.assemble([(-1, b"x")], 4096)
+
+
 def test_a_dcp_shard_read_backwards_item_by_item_reads_each_byte_about_once(tmp_path):
     """A DCP load with FileSystemWriter(thread_count=4) shards reads each shard's items in
     dictionary order, which there is *backwards* through the file, and each item as
