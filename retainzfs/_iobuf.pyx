@@ -19,7 +19,7 @@ those loops run in C with the GIL released:
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyObject_GetBuffer, PyBuffer_Release
 from libc.errno cimport errno, EINTR
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
-from libc.stdlib cimport free
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 from posix.stdlib cimport posix_memalign
 from posix.unistd cimport pread, pwrite
@@ -295,6 +295,72 @@ def gather(parts, Py_ssize_t n, Py_ssize_t padded):
         with nogil:
             memset(b.mem + n, 0, padded - n)
     return b
+
+
+def gather_crc(parts, Py_ssize_t n, Py_ssize_t padded, Py_ssize_t piece):
+    """``gather(parts, n, padded)`` and the CRC32C of each ``piece`` of the padded buffer
+    (what ``crc32c_pieces([buf], padded, piece)`` gives) in one pass: each three pieces are
+    checksummed right after they are copied, while they are still in the cache.
+
+    Why: staging a 4 MiB flush (copy, then CRCs over the copy from memory) took 2.9 ms at
+    p50 with 8 writers, longer than the 2.4 ms device write it should hide behind, so the
+    zone writes waited for it."""
+    if padded < n or n < 0 or piece <= 0:
+        raise ValueError(f"gather_crc: padded length {padded} < {n}")
+    plist = list(parts)
+    cdef Py_ssize_t np_ = len(plist), i, got = 0
+    cdef Py_buffer *pbs = <Py_buffer *>malloc(max(np_, 1) * sizeof(Py_buffer))
+    if pbs == NULL:
+        raise MemoryError()
+    cdef AlignedBuf b
+    cdef array out
+    cdef uint32_t *o
+    cdef Py_ssize_t fill = 0, done = 0, k = 0, pi = 0, ppos = 0, target, take, ln
+    cdef Py_ssize_t block = 3 * piece
+    cdef int hw = rz_crc_hw
+    try:
+        for i in range(np_):
+            PyObject_GetBuffer(plist[i], &pbs[i], PyBUF_SIMPLE)
+            got += 1
+        b = AlignedBuf(<size_t>padded)
+        out = clone(array("I"), (padded + piece - 1) // piece, False)
+        o = out.data.as_uints
+        with nogil:
+            while fill < n:
+                target = min(n, done + block)
+                while fill < target and pi < np_:
+                    take = min(pbs[pi].len - ppos, target - fill)
+                    memcpy(b.mem + fill, <char *>pbs[pi].buf + ppos, take)
+                    fill += take
+                    ppos += take
+                    if ppos == pbs[pi].len:
+                        pi += 1
+                        ppos = 0
+                if fill < target:
+                    break                                     # the parts are short
+                if hw and fill - done == block:
+                    rz_crc_hw_x3(<const uint8_t *>b.mem + done, piece, o + k)
+                    k += 3
+                    done += block
+                else:
+                    while fill - done >= piece:
+                        o[k] = rz_crc32c(0, <const uint8_t *>b.mem + done, piece, hw)
+                        k += 1
+                        done += piece
+            if fill == n:
+                memset(b.mem + n, 0, padded - n)
+                while done < padded:                          # the tail, zeros included
+                    ln = min(piece, padded - done)
+                    o[k] = rz_crc32c(0, <const uint8_t *>b.mem + done, ln, hw)
+                    k += 1
+                    done += ln
+    finally:
+        for i in range(got):
+            PyBuffer_Release(&pbs[i])
+        free(pbs)
+    if fill != n:
+        raise ValueError(f"gather_crc: {fill} bytes in the parts, {n} expected")
+    return b, out
 
 
 def assemble(parts, Py_ssize_t size):

@@ -18,8 +18,8 @@ from time import perf_counter
 from . import hints as H
 from . import records as R
 from ._alloc import NoSpace
-from ._iobuf import assemble, gather
-from .csums import ZoneChecksums, crcs_of
+from ._iobuf import assemble, gather_crc
+from .csums import CSUM_PIECE, ZoneChecksums, crcs_of
 from .device import ZoneCond
 from .errors import FsError, StaleRead
 from .readahead import ReadAhead
@@ -375,8 +375,7 @@ class DataPath:
         if n < STAGE_MIN:
             return None
         padded = -(-n // self.s.bs) * self.s.bs
-        buf = gather(data.parts, n, padded)
-        return Staged(buf, crcs_of([buf], padded))
+        return Staged(*gather_crc(data.parts, n, padded, CSUM_PIECE))
 
     def write_iolocked(self, ino: int, off: int, data: Chunks, hint: H.Hint,
                        copy_from: tuple[int, int] | None = None,
