@@ -10,6 +10,11 @@ mount settings retainzfs uses (default_permissions, 1 s entry/attr timeouts, FOP
 for write-only opens, keep_cache, ``read_ahead_kb`` 4096, st_blksize 128 KiB) shows how far a
 pyfuse3 design can go here: a ratio it cannot reach, retainzfs cannot either.
 
+The same null file system in C on libfuse's multi-threaded low-level loop
+(``scripts/nullfs_mt.c``, built here with ``cc`` and ``pkg-config fuse3``) is measured beside
+it: what a daemon whose requests are not all received and answered on one GIL-holding
+thread could reach, and what no FUSE daemon reaches here at all.
+
     python3 scripts/bench_fuse_ceiling.py                  # 1 GiB, 2 rounds (~2 min)
     python3 scripts/bench_fuse_ceiling.py --size 256M --rounds 1 --json
 
@@ -214,6 +219,44 @@ def serve(mnt: str) -> int:
     return 0
 
 
+def build_c(work: str) -> str | None:
+    """Compile ``nullfs_mt.c`` into ``work``; None (and why, on stderr) when it cannot be."""
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nullfs_mt.c")
+    exe = os.path.join(work, "nullfs_mt")
+    try:
+        flags = subprocess.run(["pkg-config", "--cflags", "--libs", "fuse3"], check=True,
+                               capture_output=True, text=True).stdout.split()
+        subprocess.run(["cc", "-O2", "-o", exe, src, *flags, "-lpthread"], check=True,
+                       capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        print(f"bench_fuse_ceiling: no C null file system ({e})", file=sys.stderr)
+        return None
+    return exe
+
+
+def run_null(cmd: list[str], mnt: str, size: int) -> dict:
+    """bench_io's figures on the null file system started by ``cmd`` (prints OK once mounted)."""
+    from bench_io import figures
+    from benchutil import cpu_seconds, peak_rss
+
+    from retainzfs.cli.mount import _set_readahead
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        if p.stdout.readline().strip() != "OK":
+            raise SystemExit(f"bench_fuse_ceiling: {cmd[0]} did not mount")
+        os.stat(mnt)                        # answered after FUSE INIT: the readahead sticks
+        _set_readahead(mnt, 4096)
+        c0 = cpu_seconds(p.pid)
+        f = figures(mnt, size)
+        f["cpu_s"] = cpu_seconds(p.pid) - c0
+        f["peak_rss_mib"] = peak_rss(p.pid) / MiB
+        return f
+    finally:
+        subprocess.run(["umount", mnt], check=False)
+        p.wait(timeout=30)
+        time.sleep(0.5)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="1G")
@@ -225,7 +268,6 @@ def main() -> int:
     if a.serve:
         return serve(a.serve)
     from bench_io import TARGETS, figures
-    from benchutil import cpu_seconds, peak_rss
 
     from retainzfs.cli.common import parse_size
     size = parse_size(a.size)
@@ -233,46 +275,48 @@ def main() -> int:
     mnt, plain = os.path.join(work, "mnt"), os.path.join(work, "plain")
     os.makedirs(mnt)
     os.makedirs(plain)
-    res: dict[str, list] = {"null": [], "plain": []}
+    cmds = {"pyfuse3": [sys.executable, os.path.abspath(__file__), "--serve", mnt]}
+    exe = build_c(work)
+    if exe:
+        cmds["c_mt"] = [exe, mnt]
+    res: dict[str, list] = {k: [] for k in [*cmds, "plain"]}
     try:
         for r in range(a.rounds):
-            for kind in (("null", "plain") if r % 2 == 0 else ("plain", "null")):
+            order = [*cmds, "plain"]
+            for kind in (order if r % 2 == 0 else order[::-1]):
                 if kind == "plain":
                     res[kind].append(figures(plain, size))
-                    continue
-                p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", mnt],
-                                     stdout=subprocess.PIPE, text=True)
-                try:
-                    if p.stdout.readline().strip() != "OK":
-                        raise SystemExit("bench_fuse_ceiling: the null file system did not mount")
-                    c0 = cpu_seconds(p.pid)
-                    f = figures(mnt, size)
-                    f["cpu_s"] = cpu_seconds(p.pid) - c0
-                    f["peak_rss_mib"] = peak_rss(p.pid) / MiB
-                    res[kind].append(f)
-                finally:
-                    subprocess.run(["umount", mnt], check=False)
-                    p.wait(timeout=30)
-                    time.sleep(0.5)
+                else:
+                    res[kind].append(run_null(cmds[kind], mnt, size))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in res.items()}
     table = {}
     for k, target in TARGETS.items():
-        nl = statistics.median(x[k] for x in res["null"])
-        pl = statistics.median(x[k] for x in res["plain"])
-        table[k] = {"null_s": nl, "plain_s": pl, "ratio": pl / nl if nl else 0.0,
-                    "target": target}
+        pl = med["plain"][k]
+        row = {"plain_s": pl, "target": target}
+        for kind in cmds:
+            nl = med[kind][k]
+            row[f"{kind}_s"] = nl
+            row[f"{kind}_ratio"] = pl / nl if nl else 0.0
+        table[k] = row
+    daemons = {kind: {"cpu_s": med[kind]["cpu_s"], "peak_rss_mib": med[kind]["peak_rss_mib"]}
+               for kind in cmds}
     if a.json:
-        print(json.dumps({"size": size, "rounds": a.rounds, "figures": table}, indent=2))
+        print(json.dumps({"size": size, "rounds": a.rounds, "figures": table,
+                          "daemons": daemons}, indent=2))
         return 0
-    print(f"{size / MiB:.0f} MiB files, 1 MiB requests, {a.rounds} alternating rounds; a pyfuse3 "
-          f"file system that stores nothing against a plain file (ratio = plain / null time)")
+    print(f"{size / MiB:.0f} MiB files, 1 MiB requests, {a.rounds} alternating rounds; file "
+          f"systems that store nothing against a plain file (ratio = plain / null time):")
+    print("  pyfuse3 = one trio thread (what retainzfs runs on); c_mt = C, libfuse's "
+          "multi-threaded loop")
     for k, v in table.items():
-        ok = "reachable" if v["ratio"] >= v["target"] else "out of reach for pyfuse3 here"
-        print(f"  {k:22s} null {v['null_s']:7.2f} s  plain {v['plain_s']:7.2f} s  "
-              f"ceiling {v['ratio']:.2f}  (target >= {v['target']}: {ok})")
-    print(f"  null daemon: {statistics.median(x['cpu_s'] for x in res['null']):.1f} CPU s per "
-          f"round, peak RSS {statistics.median(x['peak_rss_mib'] for x in res['null']):.0f} MiB")
+        cols = "  ".join(f"{kind} {v[f'{kind}_s']:6.2f} s = {v[f'{kind}_ratio']:5.2f}"
+                         for kind in cmds)
+        print(f"  {k:22s} plain {v['plain_s']:6.2f} s  {cols}  (target >= {v['target']})")
+    for kind, d in daemons.items():
+        print(f"  {kind} daemon: {d['cpu_s']:.1f} CPU s per round, peak RSS "
+              f"{d['peak_rss_mib']:.0f} MiB")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""scripts/bench_fuse_ceiling.py: the null pyfuse3 file system it measures, and a small run.
+"""scripts/bench_fuse_ceiling.py: the null file systems it measures (pyfuse3, and C on libfuse's
+multi-threaded loop), and a small run.
 
 The ceiling it prints is only worth something if the null file system does the same work a
 user's program asks of retainzfs (sizes, directory entries, reads of the whole file, rmtree),
@@ -27,12 +28,20 @@ def _mounted(path: str) -> bool:
         return any(line.split()[4] == real for line in f)
 
 
-@pytest.fixture
-def nullfs(tmp_path):
+@pytest.fixture(params=["pyfuse3", "c_mt"])
+def nullfs(tmp_path, request):
+    """Each null file system the script measures, mounted."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    p = subprocess.Popen([sys.executable, str(BENCH), "--serve", str(mnt)],
-                         stdout=subprocess.PIPE, text=True)
+    if request.param == "pyfuse3":
+        cmd = [sys.executable, str(BENCH), "--serve", str(mnt)]
+    else:
+        sys.path.insert(0, str(BENCH.parent))
+        from bench_fuse_ceiling import build_c
+        exe = build_c(str(tmp_path))
+        assert exe, "scripts/nullfs_mt.c did not build (cc, pkg-config fuse3)"
+        cmd = [exe, str(mnt)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "OK"
         yield str(mnt)
@@ -74,9 +83,12 @@ def test_the_script_prints_a_ceiling_for_every_bench_io_figure(tmp_path):
     res = json.loads(r.stdout)
     assert set(res["figures"]) == {"seq_write_fsync", "cold_seq_read", "8_writers", "8_readers",
                                    "random_4k_mmap_read", "small_files_2000"}
+    assert set(res["daemons"]) == {"pyfuse3", "c_mt"}
     for k, v in res["figures"].items():
-        assert math.isfinite(v["ratio"]) and v["ratio"] > 0, (k, v)
-        assert v["null_s"] > 0 and v["plain_s"] > 0, (k, v)
+        assert v["plain_s"] > 0, (k, v)
+        for kind in ("pyfuse3", "c_mt"):
+            assert math.isfinite(v[f"{kind}_ratio"]) and v[f"{kind}_ratio"] > 0, (k, kind, v)
+            assert v[f"{kind}_s"] > 0, (k, kind, v)
     time.sleep(0.2)
     assert not any(_mounted(str(p)) for p in tmp_path.glob("bench_ceiling.*/mnt"))
     assert not list(tmp_path.glob("bench_ceiling.*"))          # its work directory is gone
