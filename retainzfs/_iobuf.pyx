@@ -471,6 +471,15 @@ def crc32c_pieces(parts, Py_ssize_t length, Py_ssize_t piece):
 _HW = rz_crc_hw == 1
 
 
+def pooled_bytes() -> int:
+    """Bytes of freed aligned buffers the pool holds for reuse (part of the daemon's RSS)."""
+    cdef int i
+    cdef size_t n = 0
+    for i in range(_MAX_SHIFT - _MIN_SHIFT + 1):
+        n += <size_t>_pool_n[i] << (i + _MIN_SHIFT)
+    return n
+
+
 def hardware_crc() -> bool:
     """True when the CPU's CRC32 instruction is in use."""
     return rz_crc_hw == 1

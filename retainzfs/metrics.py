@@ -67,6 +67,14 @@ class StoreCollector:
             yield c
         yield GaugeMetricFamily("retainzfs_capacity_stop", "1 after an ENOSPC until space is "
                                 "freed", value=1.0 if st["capacity_stop"] else 0.0)
+        d = st.get("daemon") or {}
+        if d:
+            yield GaugeMetricFamily("retainzfs_daemon_peak_resident_bytes",
+                                    "Peak resident memory of the daemon (VmHWM)",
+                                    value=float(d["peak_rss_bytes"]))
+            yield GaugeMetricFamily("retainzfs_io_buffer_pool_bytes",
+                                    "Freed aligned I/O buffers kept for reuse",
+                                    value=float(d["io_buffer_pool_bytes"]))
         h = self.store.report.commit_hist
         yield HistogramMetricFamily("retainzfs_commit_seconds", "close/fsync commit latency",
                                     buckets=h.cumulative(), sum_value=h.sum)
@@ -77,8 +85,10 @@ def serve_metrics(store, listen: str):
     from prometheus_client import start_http_server
     from prometheus_client.core import CollectorRegistry
     host, port = parse_listen(listen)
+    from prometheus_client import ProcessCollector
     reg = CollectorRegistry(auto_describe=False)
     reg.register(StoreCollector(store))
+    ProcessCollector(registry=reg)        # process_resident_memory_bytes, _cpu_seconds_total...
     server, _thread = start_http_server(port, addr=host, registry=reg)
     log.info("metrics on http://%s:%d/metrics", host, port)
     return server

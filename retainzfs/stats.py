@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 
 
 class LatencyHistogram:
@@ -32,11 +33,35 @@ class LatencyHistogram:
         return out
 
 
+def process_stats() -> dict:
+    """This process's memory, CPU and threads (from /proc/self), and the aligned I/O buffers
+    its pool keeps: what an operator watches a long-running daemon by."""
+    from ._iobuf import pooled_bytes
+    out = {"pid": os.getpid(), "rss_bytes": 0, "peak_rss_bytes": 0, "threads": 0}
+    keys = {"VmRSS:": "rss_bytes", "VmHWM:": "peak_rss_bytes", "Threads:": "threads"}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                k = keys.get(line.split(":", 1)[0] + ":")
+                if k:
+                    v = int(line.split()[1])
+                    out[k] = v * 1024 if k.endswith("_bytes") else v
+    except OSError:
+        pass
+    t = os.times()
+    out["cpu_seconds"] = round(t.user + t.system, 3)
+    out["io_buffer_pool_bytes"] = pooled_bytes()
+    return out
+
+
 class StoreStats:
     def __init__(self, store):
         self.s = store
         self.commit_ms: list[float] = []
         self.commit_hist = LatencyHistogram()
+        #: set by the mount: ``status`` then reports the daemon process (``daemon``); a store
+        #: opened by ``retainzfs status TARGET`` itself has no daemon to report
+        self.serving = False
 
     def observe_commit(self, seconds: float) -> None:
         self.commit_ms.append(seconds * 1000.0)
@@ -127,6 +152,7 @@ class StoreStats:
                 # held) and, of those, in the device writes themselves
                 "data_write_seconds": round(st["data_write_s"], 6),
                 "device_write_seconds": round(st["device_write_s"], 6),
+                "daemon": process_stats() if self.serving else None,
             }
 
     def zone_map(self, first: int = 0, count: int | None = None) -> dict:

@@ -17,7 +17,9 @@ NEEDED = {"retainzfs_zones", "retainzfs_live_bytes", "retainzfs_invalid_bytes",
           "retainzfs_tail_bytes", "retainzfs_free_bytes", "retainzfs_zone_resets",
           "retainzfs_gc_copied_bytes", "retainzfs_host_write_amplification",
           "retainzfs_commit_seconds", "retainzfs_enospc", "retainzfs_checksum_errors",
-          "retainzfs_gc_aborted"}
+          "retainzfs_gc_aborted", "retainzfs_daemon_peak_resident_bytes",
+          "retainzfs_io_buffer_pool_bytes", "process_resident_memory_bytes",
+          "process_cpu_seconds"}
 
 
 def _free_port() -> int:
@@ -79,8 +81,32 @@ def test_metrics_during_a_save(image, mount_image):
     assert hist["retainzfs_commit_seconds_count"] > 0
     zones = {s.labels["condition"]: s.value for s in fams["retainzfs_zones"].samples}
     assert sum(zones.values()) == 256
+    rss = fams["process_resident_memory_bytes"].samples[0].value
+    peak = fams["retainzfs_daemon_peak_resident_bytes"].samples[0].value
+    assert 10 * MiB < rss <= peak < 1024 * MiB                    # the daemon's, not ours
     fams = _scrape(port)
     assert fams["retainzfs_zone_resets"].samples[0].value > 0      # rmtree emptied zones
+
+
+def test_status_reports_the_daemon_memory_cpu_and_threads(image, mount_image):
+    """``status`` of a mount says how much memory and CPU the daemon has used (found needed in
+    stop 13: the daemon grew without bound and nothing an operator looks at showed it); a
+    status of an unmounted image opens the store itself and has no daemon to report."""
+    import json
+    m = mount_image(image)
+    with open(m / "f", "wb") as f:
+        f.write(os.urandom(8 * MiB))
+    d = m.status()["daemon"]
+    assert d["pid"] == m.pid
+    with open(f"/proc/{m.pid}/status") as f:
+        hwm = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:"))
+    assert 10 * MiB < d["rss_bytes"] <= d["peak_rss_bytes"] <= hwm
+    assert d["threads"] >= 2 and d["cpu_seconds"] > 0 and d["io_buffer_pool_bytes"] >= 0
+    table = run("retainzfs", "status", m).stdout
+    assert f"pid {m.pid}, RSS" in table
+    m.umount()
+    st = json.loads(run("retainzfs", "status", "--json", image).stdout)
+    assert st["daemon"] is None
 
 
 def test_bad_metrics_option_and_busy_port(image, tmp_path):

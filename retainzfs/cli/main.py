@@ -103,6 +103,12 @@ def print_status(st: dict, path: str) -> None:
     t.add_row("integrity", f"format v{st.get('format_version', '?')}, metadata {meta}, "
                            f"{st.get('checksum_errors', 0)} checksum errors",
               style="red" if st.get("checksum_errors") or st.get("metadata_corrupt") else None)
+    d = st.get("daemon")
+    if d:
+        t.add_row("daemon", f"pid {d['pid']}, RSS {_human(d['rss_bytes'])} (peak "
+                            f"{_human(d['peak_rss_bytes'])}, I/O buffer pool "
+                            f"{_human(d['io_buffer_pool_bytes'])}), CPU {d['cpu_seconds']:.1f} s, "
+                            f"{d['threads']} threads")
     if st.get("capacity_stop"):
         t.add_row("capacity stop", f"yes ({st.get('enospc', 0)} ENOSPC)", style="red")
     for p, err in (st.get("policy_errors") or {}).items():

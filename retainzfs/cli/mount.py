@@ -313,6 +313,7 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
         if notify_fd is None:
             die(f"{target}: {e}")
         return 1
+    store.report.serving = True            # status reports this daemon (memory, CPU)
     if ours.get("metrics"):
         from ..metrics import serve_metrics
         try:
