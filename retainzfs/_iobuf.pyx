@@ -316,9 +316,9 @@ def gather_crc(parts, Py_ssize_t n, Py_ssize_t padded, Py_ssize_t piece):
     (what ``crc32c_pieces([buf], padded, piece)`` gives) in one pass: each three pieces are
     checksummed right after they are copied, while they are still in the cache.
 
-    Why: staging a 4 MiB flush (copy, then CRCs over the copy from memory) took 2.9 ms at
-    p50 with 8 writers, longer than the 2.4 ms device write it should hide behind, so the
-    zone writes waited for it."""
+    Why: one pass over the bytes instead of two (the copy, then the CRCs reading the copy back
+    from memory): 0.44 -> 0.41 ms per 4 MiB on a quiet core.  (In the daemon a stage with 8
+    writers takes ~2 ms of wall time for 0.65 ms of CPU: the rest is waiting for the GIL.)"""
     if padded < n or n < 0 or piece <= 0:
         raise ValueError(f"gather_crc: padded length {padded} < {n}")
     plist = list(parts)
@@ -391,11 +391,11 @@ def assemble(parts, Py_ssize_t size):
     cdef Py_buffer pb
     cdef Py_ssize_t dst, take, covered = 0
     cdef bint sequential = True
-    for dst, _ in parts:                 # pieces in order with no gap: nothing to zero
+    for dst, p in parts:                 # pieces in order with no gap: nothing to zero
         if dst != covered:
             sequential = False
             break
-        covered += len(_)
+        covered += len(p)
     if not sequential or covered < size:
         with nogil:
             memset(b.mem, 0, size)

@@ -82,10 +82,9 @@ class StoreCollector:
 
 def serve_metrics(store, listen: str):
     """Start the HTTP endpoint in a daemon thread; returns the server (or raises OSError)."""
-    from prometheus_client import start_http_server
+    from prometheus_client import ProcessCollector, start_http_server
     from prometheus_client.core import CollectorRegistry
     host, port = parse_listen(listen)
-    from prometheus_client import ProcessCollector
     reg = CollectorRegistry(auto_describe=False)
     reg.register(StoreCollector(store))
     ProcessCollector(registry=reg)        # process_resident_memory_bytes, _cpu_seconds_total...
