@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""GIL-free byte moving for the data path: aligned pooled buffers, gather writes, CRC32C.
+"""GIL-free byte moving for the data path: aligned pooled buffers, staging, gather writes, CRC32C.
 
 Why it exists: pyfuse3 answers every request on one thread that holds the GIL, so any time a
 worker or flusher thread spends *with* the GIL (a Python loop over 16 KiB checksum pieces, a
@@ -281,40 +281,16 @@ def gather_pwrite(int fd, long long off, parts, Py_ssize_t n, AlignedBuf scratch
 
 
 
-def gather(parts, Py_ssize_t n, Py_ssize_t padded):
-    """The first ``n`` bytes of the buffers ``parts`` copied into a (pooled) page-aligned
-    AlignedBuf of ``padded`` >= n bytes, the rest zeros; no GIL for the copy.
-
-    Why: the data path copies a flush's scatter list here *before* it takes io_lock, so the
-    copy O_DIRECT needs overlaps another file's device write instead of preceding its own."""
-    if padded < n or n < 0:
-        raise ValueError(f"gather: padded length {padded} < {n}")
-    cdef AlignedBuf b = AlignedBuf(<size_t>padded)
-    cdef Py_buffer pb
-    cdef Py_ssize_t fill = 0, take
-    for p in parts:
-        if fill >= n:
-            break
-        PyObject_GetBuffer(p, &pb, PyBUF_SIMPLE)
-        try:
-            take = min(pb.len, n - fill)
-            with nogil:
-                memcpy(b.mem + fill, pb.buf, take)
-            fill += take
-        finally:
-            PyBuffer_Release(&pb)
-    if fill != n:
-        raise ValueError(f"gather: {fill} bytes in the parts, {n} expected")
-    if padded > n:
-        with nogil:
-            memset(b.mem + n, 0, padded - n)
-    return b
-
-
 def gather_crc(parts, Py_ssize_t n, Py_ssize_t padded, Py_ssize_t piece):
-    """``gather(parts, n, padded)`` and the CRC32C of each ``piece`` of the padded buffer
-    (what ``crc32c_pieces([buf], padded, piece)`` gives) in one pass: each three pieces are
-    checksummed right after they are copied, while they are still in the cache.
+    """The staging copy of a flush: the first ``n`` bytes of the buffers ``parts`` copied into
+    a (pooled) page-aligned AlignedBuf of ``padded`` >= n bytes, the rest zeros, and the
+    CRC32C of each ``piece`` of that padded buffer (what ``crc32c_pieces([buf], padded,
+    piece)`` gives), in one pass without the GIL: each three pieces are checksummed right
+    after they are copied, while they are still in the cache.  Returns (buffer, CRCs).
+
+    Why staged at all: the data path copies a flush's scatter list here *before* it takes
+    io_lock, so the copy O_DIRECT needs overlaps another file's device write instead of
+    preceding its own.
 
     Why: one pass over the bytes instead of two (the copy, then the CRCs reading the copy back
     from memory): 0.44 -> 0.41 ms per 4 MiB on a quiet core.  (In the daemon a stage with 8

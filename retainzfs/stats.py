@@ -88,6 +88,7 @@ class StoreStats:
     def status(self) -> dict:
         s = self.s
         path_of = s.ns.path_of
+        daemon = process_stats() if self.serving else None     # /proc reads: not under the lock
         with s.lock:
             cap = s.cap
             conds: dict[str, int] = {}
@@ -152,7 +153,7 @@ class StoreStats:
                 # held) and, of those, in the device writes themselves
                 "data_write_seconds": round(st["data_write_s"], 6),
                 "device_write_seconds": round(st["device_write_s"], 6),
-                "daemon": process_stats() if self.serving else None,
+                "daemon": daemon,
             }
 
     def zone_map(self, first: int = 0, count: int | None = None) -> dict:

@@ -38,6 +38,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from benchutil import bench_parser  # noqa: E402  (this directory, put on the path above)
+
 MiB = 1 << 20
 
 
@@ -46,7 +48,6 @@ def serve(mnt: str) -> int:
     import pyfuse3
     import trio
 
-    from retainzfs.cli.mount import _set_readahead
     from retainzfs.fs import BLKSIZE, ENTRY_TIMEOUT, _direct_write, fuse_options
 
     zeros = memoryview(bytes(range(256)) * 4096)      # 1 MiB answered to every read
@@ -203,11 +204,9 @@ def serve(mnt: str) -> int:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            async def ready() -> None:
+            async def ready() -> None:            # the readahead is set by run_null
                 while not ops.inited:
                     await trio.sleep(0.002)
-                await trio.sleep(0)
-                _set_readahead(mnt, 4096)
                 print("OK", flush=True)
             nursery.start_soon(ready)
             await pyfuse3.main(min_tasks=4, max_tasks=32)
@@ -258,11 +257,7 @@ def run_null(cmd: list[str], mnt: str, size: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", default="1G")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--workdir", default="/var/tmp")
-    ap.add_argument("--json", action="store_true")
+    ap = bench_parser(__doc__)
     ap.add_argument("--serve", metavar="MNT", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve:

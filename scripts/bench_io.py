@@ -11,7 +11,6 @@ printed beside the issue's target. Page cache is dropped before every cold read.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -24,7 +23,7 @@ import tempfile
 import threading
 import time
 
-from benchutil import cpu_seconds, daemon_pid, drop_caches, peak_rss
+from benchutil import bench_parser, cpu_seconds, daemon_pid, drop_caches, peak_rss
 
 MiB = 1 << 20
 REQ = 1 << 20
@@ -136,11 +135,7 @@ TARGETS = {"seq_write_fsync": 0.9, "cold_seq_read": 0.9, "8_writers": 0.9, "8_re
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", default="1G")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--workdir", default="/var/tmp")
-    ap.add_argument("--json", action="store_true")
+    ap = bench_parser(__doc__)
     a = ap.parse_args()
     from retainzfs.cli.common import parse_size
     size = parse_size(a.size)

@@ -1,6 +1,7 @@
 """Helpers the benchmarks share: cold caches and the mount daemon's pid, CPU and peak RSS."""
 from __future__ import annotations
 
+import argparse
 import os
 
 
@@ -53,3 +54,14 @@ def cpu_seconds(pid: int | None) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every side-by-side benchmark takes: file ``--size``, ``--rounds`` (each
+    alternating retainzfs and the plain file), ``--workdir`` (on the disk to compare), ``--json``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--size", default="1G")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workdir", default="/var/tmp")
+    ap.add_argument("--json", action="store_true")
+    return ap

@@ -32,6 +32,12 @@ _sizes = st.one_of(st.integers(0, 3 * P + 17),
                                     4096, 4095, 4097, MiB - 1, MiB, MiB + 1]))
 
 
+def _dirty(n: int):
+    """A pooled buffer of ``n`` bytes full of 0xff (dropped, it leaves the pool dirty)."""
+    n = max(n, 1)
+    return I.assemble([(0, b"\xff" * n)], n)
+
+
 def _ref_pieces(data: bytes, piece: int) -> list[int]:
     return [ref_crc(data[i:i + piece]) for i in range(0, len(data), piece)]
 
@@ -442,14 +448,14 @@ def test_windows_survive_misses_and_a_step_back(tmp_path):
        extra=st.sampled_from([0, 1, 48, 4095, 4096]),
        cuts=st.lists(st.integers(0, 4 * MiB), max_size=5))
 def test_gather_copies_the_parts_into_aligned_zero_padded_memory(n, extra, cuts):
-    """``gather`` (the staging copy a flush makes before io_lock): exactly the parts' first
-    ``n`` bytes, then zeros up to the padded length, in page-aligned memory — also when
+    """``gather_crc`` (the staging copy a flush makes before io_lock): exactly the parts'
+    first ``n`` bytes, then zeros up to the padded length, in page-aligned memory — also when
     the pooled buffer it reuses held other bytes (the pool is dirtied first)."""
     import ctypes
-    dirty = I.gather([b"\xff" * (n + extra)], n + extra, n + extra)
+    dirty = _dirty(n + extra)
     del dirty                                        # back to the pool, full of 0xff
     data = os.urandom(n)
-    b = I.gather(_split(data, cuts) + [b"tail not taken"], n, n + extra)
+    b, _ = I.gather_crc(_split(data, cuts) + [b"tail not taken"], n, n + extra, P)
     v = memoryview(b)
     assert v.nbytes == n + extra and bytes(v) == data + bytes(extra)
     if n + extra:
@@ -466,7 +472,7 @@ def test_gather_crc_equals_gather_then_crc32c_pieces(n, extra, cuts, hw):
     """The staging of a flush in one pass (copy, checksum each three pieces while cached) gives
     what the two passes gave: the same padded bytes, the same CRC of every piece of them (the
     zero padding included), with and without the CRC32 instruction, from a dirty pool."""
-    dirty = I.gather([b"\xff" * (n + extra)], n + extra, n + extra)
+    dirty = _dirty(n + extra)
     del dirty
     data = os.urandom(n)
     parts = _split(data, cuts) + [b"tail not taken"]
@@ -485,9 +491,9 @@ def test_gather_crc_equals_gather_then_crc32c_pieces(n, extra, cuts, hw):
 
 def test_gather_refuses_short_parts_and_short_padding():
     with pytest.raises(ValueError):
-        I.gather([b"x" * 10], 11, 4096)
+        I.gather_crc([b"x" * 10], 11, 4096, P)
     with pytest.raises(ValueError):
-        I.gather([b"x" * 10], 10, 9)
+        I.gather_crc([b"x" * 10], 10, 9, P)
 
 
 @settings(max_examples=150, deadline=None)
@@ -501,7 +507,7 @@ def test_assemble_puts_parts_at_their_offsets_and_zeros_the_holes(size, cuts, ho
     """``assemble`` (a read reply from extents, readahead windows and buffered bytes) against
     a bytearray model: parts in order, some left out (holes), an overlay written last over
     them; from a pool dirtied first, so a hole that is not zeroed shows."""
-    dirty = I.gather([b"\xff" * max(size, 1)], max(size, 1), max(size, 1))
+    dirty = _dirty(max(size, 1))
     del dirty
     data = os.urandom(size)
     bounds = sorted({min(c, size) for c in cuts} | {0, size})
@@ -630,28 +636,17 @@ def test_the_daemon_does_not_grow_with_repeated_parallel_saves_and_loads(make_im
     aligned I/O buffers came from the heap, fragmented it, and the daemon grew by ~50 MiB per
     GiB moved without bound (210 -> 600 MiB in eight rounds of bench_io's 8 writers and 8
     readers); they are mapped now, so what the pool does not keep goes back to the kernel."""
+    import sys
     import threading
-
-    def drop_caches():
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "scripts"))
+    from bench_io import read_file as read, write_file          # bench_io's 8 writers/readers
+    from benchutil import drop_caches
     m = mount_image(make_image("2G", "64M"))
     per, req = 32 * MiB, os.urandom(MiB)
 
     def write(p):
-        fd = os.open(p, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-        try:
-            for _ in range(per // MiB):
-                os.write(fd, req)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def read(p):
-        with open(p, "rb", buffering=0) as f:
-            while f.read(MiB):
-                pass
+        write_file(p, per, req)
 
     def both(fn, paths):
         ts = [threading.Thread(target=fn, args=(p,)) for p in paths]
