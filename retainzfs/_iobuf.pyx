@@ -1,13 +1,13 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """GIL-free byte moving for the data path: aligned pooled buffers, staging, gather writes, CRC32C.
 
-Why it exists: pyfuse3 answers every request on one thread that holds the GIL, so any time a
-worker or flusher thread spends *with* the GIL (a Python loop over 16 KiB checksum pieces, a
-``b"".join`` before a write, a copy into a bounce buffer) is time the FUSE loop waits.  Here
-those loops run in C with the GIL released:
+Why it exists: every FUSE request's handler needs the GIL, so any time a FUSE, flusher or
+readahead thread spends *with* it (a Python loop over 16 KiB checksum pieces, a ``b"".join``
+before a write, a copy into a bounce buffer) is time the other handlers wait.  Here those
+loops run in C with the GIL released:
 
-* ``AlignedBuf``: page-aligned memory for O_DIRECT reads, handed to pyfuse3 as the reply
-  buffer itself (buffer protocol), and back to a small pool when the last reference dies, so
+* ``AlignedBuf``: page-aligned memory for O_DIRECT reads, handed to the FUSE binding as the
+  reply buffer itself (buffer protocol), and back to a small pool when the last reference dies, so
   a cold read is one DMA into it and one copy into the reader (what ext4 does);
 * ``pread_aligned``: the O_DIRECT read into such a buffer;
 * ``gather_pwrite``: the scatter list of a flush copied into an aligned scratch buffer and
@@ -110,7 +110,7 @@ cdef int _pool_n[9]
 cdef char *_FMT_B = "B"
 #: buffers of this size or more are mapped, not taken from the heap: freed (beyond the pool)
 #: they go back to the kernel at once.  From the heap (whose mmap threshold the mount raises
-#: to 64 MiB for pyfuse3's 1 MiB request buffers) they fragmented it, and a daemon that ran
+#: to 64 MiB for the 1 MiB write-request buffers) they fragmented it, and a daemon that ran
 #: 8 writers then 8 readers of 128 MiB eight times in a row grew from 210 to 600 MiB RSS.
 cdef size_t _MAP_MIN = 256 << 10
 
@@ -125,7 +125,7 @@ cdef int _size_class(size_t n) noexcept nogil:
 cdef class AlignedBuf:
     """Page-aligned memory; the buffer protocol exposes ``[start, start + length)``.
 
-    The memory goes back to the pool when the object dies (pyfuse3 drops its reply buffer
+    The memory goes back to the pool when the object dies (``_fuse`` drops its reply buffer
     after ``fuse_reply_buf``), so a stream of 1 MiB reads reuses faulted-in pages."""
     cdef char *mem
     cdef size_t cap

@@ -120,8 +120,7 @@ class DataPath:
             return all(zgen[z] == g for z, g in gens.items())
 
     def read_cached(self, ino: int, off: int, size: int) -> Buffer | None:
-        """A read answered from the readahead windows (CPU only, for the event loop), or None:
-        then ``read`` in a worker thread."""
+        """A read answered from the readahead windows (CPU only), or None: then ``read``."""
         s = self.s
         with s.lock:
             inode = s.inodes.get(ino)

@@ -84,9 +84,17 @@ class ExtentMap:
         if (prev is not None and prev.end == off and prev.zone == zone
                 and prev.zoff + prev.length == zoff and prev.hint == hint):
             prev.length += length            # contiguous append: merge
+            i -= 1
         else:
             self.exts.insert(i, Extent(off, length, zone, zoff, hint))
             self.offs.insert(i, off)
+        cur = self.exts[i]
+        nxt = self.exts[i + 1] if i + 1 < len(self.exts) else None
+        if (nxt is not None and cur.end == nxt.off and cur.zone == nxt.zone
+                and cur.zoff + cur.length == nxt.zoff and cur.hint == nxt.hint):
+            cur.length += nxt.length         # and with what follows: one map, one shape
+            del self.exts[i + 1]             # (what a reload of the same records builds)
+            del self.offs[i + 1]
         return dead
 
     def truncate(self, size: int) -> list[Dead]:

@@ -1,82 +1,35 @@
-"""pyfuse3 + trio adapter: POSIX requests <-> Store calls.
+"""The FUSE adapter: POSIX requests <-> Store calls, on libfuse's threads (``_fuse.pyx``).
 
 Why it is thin: placement, hints and the journal live in the store, which the trace replay drives
-directly; this module only translates FUSE requests, keeps file handles, and pushes every call
-that may touch the device into a worker thread so one slow write never stalls the event loop.
+directly; this module only translates requests and keeps file handles.  Every handler runs in
+the libfuse thread that received the request and may block it on the device (the other threads
+go on receiving); the store's locks (``Store.lock``, ``io_lock``) make the calls safe from any
+thread, as DESIGN §11 and docs/internals.md describe.
 """
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
-import queue
 import stat
 import threading
 
-import outcome
-import pyfuse3
-import trio
-
-from .hints import POLICY_NAME, XATTR_PREFIX
+from . import _fuse
 from .namespace import Attrs
-from .store import FsError, Inode, Store
+from .store import FsError, Store
 
 log = logging.getLogger("retainzfs")
 
 ENTRY_TIMEOUT = 1.0
 #: A lookup that finds nothing answers st_ino=0 with this entry timeout, so the kernel keeps a
-#: negative dentry instead of asking again for every stat/open of a missing name (pyfuse3's
-#: documented way to cache a miss).  Safe because names only appear through this mount: a
-#: create, mkdir, link, symlink, mknod or rename through the kernel replaces the negative dentry
-#: at once, and O_EXCL opens always look up afresh; the store never adds a name on its own.
+#: negative dentry instead of asking again for every stat/open of a missing name.  Safe because
+#: names only appear through this mount: a create, mkdir, link, symlink, mknod or rename through
+#: the kernel replaces the negative dentry at once, and O_EXCL opens always look up afresh; the
+#: store never adds a name on its own.
 NEGATIVE_TIMEOUT = ENTRY_TIMEOUT
 
-
-class _Workers:
-    """Threads for the requests that may touch the device.
-
-    What ``trio.to_thread.run_sync`` did, at about half its cost per call (43 vs 77 us here; a
-    small file's close pays one): persistent threads on one queue, the result handed back
-    through the trio token.  A thread is added while none is idle, up to ``max_threads``; like
-    ``to_thread.run_sync`` by default a call cannot be cancelled, so unmount waits for the
-    calls in flight."""
-
-    def __init__(self, max_threads: int = 32):
-        self.max_threads = max_threads
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._threads = 0
-        self._idle = 0
-
-    async def run(self, fn, *args, **kw):
-        task = trio.lowlevel.current_task()
-        token = trio.lowlevel.current_trio_token()
-        with self._lock:
-            if self._idle:
-                self._idle -= 1
-                start = False
-            else:
-                start = self._threads < self.max_threads
-                self._threads += start
-        if start:
-            threading.Thread(target=self._work, name=f"rz-fuse-{self._threads}",
-                             daemon=True).start()
-        self._q.put((fn, args, kw, task, token))
-        return await trio.lowlevel.wait_task_rescheduled(_no_abort)    # unwraps the outcome
-
-    def _work(self) -> None:
-        while True:
-            fn, args, kw, task, token = self._q.get()
-            result = outcome.capture(fn, *args, **kw)
-            del fn, args, kw
-            with self._lock:
-                self._idle += 1
-            try:
-                token.run_sync_soon(trio.lowlevel.reschedule, task, result)
-            except trio.RunFinishedError:
-                pass
-            del task, result
-
+XATTR_CREATE, XATTR_REPLACE = 1, 2
 
 #: st_blksize: the buffer size of stdio and Python's ``open()``.  Not 1 MiB: a reader that
 #: seeks to a header and reads a few bytes (``torch.load`` of each DCP item) would refill a
@@ -95,193 +48,116 @@ def _direct_write(flags: int, inode: Attrs) -> bool:
     file keep the page cache, which the kernel invalidates over direct writes.
 
     Not for a set-user/group-ID file or one with file capabilities: clearing those on a write
-    by an unprivileged process is done by that cached path (pyfuse3 passes no caller to
-    ``write``), and pjdfstest's chmod/12.t checks it."""
+    by an unprivileged process is done by that cached path (the FUSE write request names
+    no caller to check), and pjdfstest's chmod/12.t checks it."""
     if flags & os.O_ACCMODE != os.O_WRONLY or inode.mode & (stat.S_ISUID | stat.S_ISGID):
         return False
     return not inode.caps
 
 
-def _no_abort(_raise_cancel):
-    return trio.lowlevel.Abort.FAILED
 
+class Operations:
+    """The FUSE handlers ``_fuse`` calls (synchronously, from any of its threads).
 
-_workers = _Workers()
-_run = _workers.run
+    Handlers return ``Attrs`` for entries and attributes (``_fuse`` builds the reply), raise
+    ``OSError`` (``FsError``) for an errno reply; anything else is logged and answered EIO."""
 
-
-def _fuse_errors(fn):
-    async def wrapper(*args, **kw):
-        try:
-            return await fn(*args, **kw)
-        except FsError as e:
-            raise pyfuse3.FUSEError(e.errno) from None
-        except pyfuse3.FUSEError:
-            raise
-        except OSError as e:
-            log.exception("I/O error in %s", fn.__name__)
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        except Exception:
-            log.exception("internal error in %s", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-    wrapper.__name__ = fn.__name__
-    return wrapper
-
-
-_NEGATIVE = pyfuse3.EntryAttributes()
-_NEGATIVE.st_ino = 0
-_NEGATIVE.entry_timeout = NEGATIVE_TIMEOUT
-
-
-class RetainzOperations(pyfuse3.Operations):
-    """The FUSE operations table."""
-
-    supports_dot_lookup = True
-    enable_writeback_cache = False
-    enable_acl = False
+    blksize = BLKSIZE
+    timeout = ENTRY_TIMEOUT
+    negative_timeout = NEGATIVE_TIMEOUT
 
     def __init__(self, store: Store):
-        super().__init__()
         self.store = store
-        self.handles: dict[int, int] = {}     # fh -> ino
-        self.next_fh = 1
-        self.initialized = False
+        self.handles: dict[int, int] = {}     # fh -> ino (dict operations are atomic)
+        self._fhs = itertools.count(1)
+        self.initialized = threading.Event()
 
-    def init(self):
-        """FUSE INIT: called before libfuse replies, so settings the kernel derives from the
-        reply (the bdi's readahead is lowered to the negotiated ``max_readahead``) must be made
-        after this returns — ``serve`` waits for this flag, then runs its ``ready`` hook."""
-        self.initialized = True
+    def init(self) -> None:
+        """FUSE INIT: runs before libfuse replies, so settings the kernel derives from the reply
+        (the bdi's readahead) are made later (``serve``'s ``ready``)."""
+        self.initialized.set()
 
     # -- attributes --
     # The adapter never reads a live ``Inode`` view, only its number: attributes come as an
-    # ``Attrs`` copy taken under Store.lock (``Store.stat``), since a worker thread may change
-    # or free the row while the event loop builds the reply.
-    def _entry(self, inode: Attrs) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
-        a.st_ino = inode.ino
-        a.generation = 0
-        a.entry_timeout = ENTRY_TIMEOUT
-        a.attr_timeout = ENTRY_TIMEOUT
-        a.st_mode = inode.mode
-        a.st_nlink = inode.nlink
-        a.st_uid = inode.uid
-        a.st_gid = inode.gid
-        a.st_rdev = inode.rdev
-        a.st_size = inode.size
-        a.st_blksize = BLKSIZE
-        a.st_blocks = (inode.size + 511) // 512
-        a.st_atime_ns = inode.atime
-        a.st_mtime_ns = inode.mtime
-        a.st_ctime_ns = inode.ctime
-        return a
+    # ``Attrs`` copy taken under Store.lock (``Store.stat``), since another thread may change
+    # or free the row while this one builds the reply.
+    def _ref(self, ino: int) -> Attrs:
+        """The reply that makes the kernel hold ``ino`` (counted in the same lock)."""
+        return self.store.stat(ino, ref=True)
 
-    def _ref(self, inode: Inode) -> pyfuse3.EntryAttributes:
-        """The reply that makes the kernel hold ``inode`` (counted in the same lock)."""
-        return self._entry(self.store.stat(inode.ino, ref=True))
-
-    @_fuse_errors
-    async def lookup(self, parent_inode, name, ctx=None):
+    def lookup(self, parent: int, name: bytes) -> Attrs | None:
         try:
-            inode = self.store.lookup(parent_inode, name)
+            ino = self.store.lookup(parent, name).ino
         except FsError as e:
             if e.errno != errno.ENOENT:
                 raise
-            return _NEGATIVE              # the kernel caches the miss (see NEGATIVE_TIMEOUT)
-        return self._ref(inode)
+            return None                   # the kernel caches the miss (see NEGATIVE_TIMEOUT)
+        return self._ref(ino)
 
-    @_fuse_errors
-    async def getattr(self, inode, ctx=None):
-        return self._entry(self.store.stat(inode))
+    def getattr(self, ino: int) -> Attrs:
+        return self.store.stat(ino)
 
-    @_fuse_errors
-    async def setattr(self, inode, attr, fields, fh, ctx):
-        kw = {}
-        if fields.update_mode:
-            kw["mode"] = attr.st_mode
-        if fields.update_uid:
-            kw["uid"] = attr.st_uid
-        if fields.update_gid:
-            kw["gid"] = attr.st_gid
-        if fields.update_atime:
-            kw["atime"] = attr.st_atime_ns
-        if fields.update_mtime:
-            kw["mtime"] = attr.st_mtime_ns
-        if fields.update_ctime:
-            kw["ctime"] = attr.st_ctime_ns
-        if fields.update_size:
-            kw["size"] = attr.st_size
-        await _run(self.store.setattr, inode, **kw)
-        return self._entry(self.store.stat(inode))
+    def setattr(self, ino: int, changes: dict) -> Attrs:
+        self.store.setattr(ino, **changes)
+        return self.store.stat(ino)
 
-    async def forget(self, inode_list):
-        for ino, n in inode_list:
+    def forget(self, pairs) -> None:
+        for ino, n in pairs:
             try:
                 self.store.forget(ino, n)
             except Exception:
                 log.exception("forget")
 
+    def counted(self, ino: int) -> None:
+        """A READDIRPLUS reply carried ``ino``: the kernel holds one more reference."""
+        self.store.ref(ino)
+
     # -- namespace --
-    @_fuse_errors
-    async def readlink(self, inode, ctx):
-        return self.store.readlink(inode)
+    def readlink(self, ino: int) -> bytes:
+        return self.store.readlink(ino)
 
-    @_fuse_errors
-    async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        return self._ref(self.store.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
+    def mknod(self, parent: int, name: bytes, mode: int, rdev: int, ctx) -> Attrs:
+        uid, gid, _umask = ctx
+        return self._ref(self.store.mknod(parent, name, mode, rdev, uid, gid).ino)
 
-    @_fuse_errors
-    async def mkdir(self, parent_inode, name, mode, ctx):
-        return self._ref(self.store.mkdir(parent_inode, name, mode & ~ctx.umask, ctx.uid, ctx.gid))
+    def mkdir(self, parent: int, name: bytes, mode: int, ctx) -> Attrs:
+        uid, gid, umask = ctx
+        return self._ref(self.store.mkdir(parent, name, mode & ~umask, uid, gid).ino)
 
-    @_fuse_errors
-    async def symlink(self, parent_inode, name, target, ctx):
-        return self._ref(self.store.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+    def symlink(self, parent: int, name: bytes, target: bytes, ctx) -> Attrs:
+        uid, gid, _umask = ctx
+        return self._ref(self.store.symlink(parent, name, target, uid, gid).ino)
 
-    @_fuse_errors
-    async def link(self, inode, new_parent_inode, new_name, ctx):
-        return self._ref(self.store.link(inode, new_parent_inode, new_name))
+    def link(self, ino: int, new_parent: int, new_name: bytes) -> Attrs:
+        return self._ref(self.store.link(ino, new_parent, new_name).ino)
 
-    @_fuse_errors
-    async def unlink(self, parent_inode, name, ctx):
-        if name == POLICY_NAME:               # may read and match a policy: not on the loop
-            return await _run(self.store.unlink, parent_inode, name)
-        self.store.unlink(parent_inode, name, reset=False)
-        if self.store.reset_pending:
-            await _run(self.store.reset_empty_zones)
+    def unlink(self, parent: int, name: bytes) -> None:
+        self.store.unlink(parent, name, reset=False)
+        if self.store.reset_pending:          # zones emptied: reset them (device I/O)
+            self.store.reset_empty_zones()
 
-    @_fuse_errors
-    async def rmdir(self, parent_inode, name, ctx):
-        await _run(self.store.rmdir, parent_inode, name)
+    def rmdir(self, parent: int, name: bytes) -> None:
+        self.store.rmdir(parent, name)
 
-    @_fuse_errors
-    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
-        await _run(self.store.rename, parent_inode_old, name_old, parent_inode_new, name_new, flags)
+    def rename(self, parent: int, name: bytes, new_parent: int, new_name: bytes,
+               flags: int) -> None:
+        self.store.rename(parent, name, new_parent, new_name, flags)
 
     # -- directories --
-    @_fuse_errors
-    async def opendir(self, inode, ctx):
-        self.store.getattr(inode)
-        return inode
+    def opendir(self, ino: int) -> int:
+        self.store.getattr(ino)
+        return ino
 
-    @_fuse_errors
-    async def readdir(self, fh, start_id, token):
-        for name, inode, cookie in self.store.readdir_stat(fh, start_id):
-            if not pyfuse3.readdir_reply(token, name, self._entry(inode), cookie):
-                break
-            if name not in (b".", b".."):
-                self.store.ref(inode.ino)
+    def readdir(self, fh: int, off: int):
+        """(name, Attrs, cookie) from cookie ``off`` on; ``_fuse`` stops when the reply is full."""
+        return self.store.readdir_stat(fh, off)
 
-    async def releasedir(self, fh):
-        return None
-
-    async def fsyncdir(self, fh, datasync):
-        await _run(self.store.sync)
+    def fsyncdir(self, fh: int, datasync: bool) -> None:
+        self.store.sync()
 
     # -- files --
     def _new_fh(self, ino: int) -> int:
-        fh = self.next_fh
-        self.next_fh += 1
+        fh = next(self._fhs)
         self.handles[fh] = ino
         return fh
 
@@ -291,138 +167,131 @@ class RetainzOperations(pyfuse3.Operations):
         except KeyError:
             raise FsError(errno.EBADF) from None
 
-    @_fuse_errors
-    async def open(self, inode, flags, ctx):
-        await _run(self.store.open, inode, truncate=bool(flags & os.O_TRUNC))
-        return pyfuse3.FileInfo(fh=self._new_fh(inode), keep_cache=True,
-                                direct_io=_direct_write(flags, self.store.stat(inode)))
+    def open(self, ino: int, flags: int) -> tuple[int, bool, bool]:
+        """(fh, direct_io, keep_cache)."""
+        self.store.open(ino, truncate=bool(flags & os.O_TRUNC))
+        return self._new_fh(ino), _direct_write(flags, self.store.stat(ino)), True
 
-    @_fuse_errors
-    async def create(self, parent_inode, name, mode, flags, ctx):
-        ino = self.store.create(parent_inode, name, mode & ~ctx.umask, ctx.uid, ctx.gid).ino
+    def create(self, parent: int, name: bytes, mode: int, flags: int, ctx):
+        """(fh, direct_io, keep_cache, Attrs)."""
+        uid, gid, umask = ctx
+        ino = self.store.create(parent, name, mode & ~umask, uid, gid).ino
         self.store.open(ino)
         entry = self.store.stat(ino, ref=True)
-        return (pyfuse3.FileInfo(fh=self._new_fh(ino), direct_io=_direct_write(flags, entry)),
-                self._entry(entry))
+        return self._new_fh(ino), _direct_write(flags, entry), True, entry
 
-    @_fuse_errors
-    async def read(self, fh, off, size):
+    def read(self, fh: int, off: int, size: int):
         ino = self._ino(fh)
-        data = self.store.read_cached(ino, off, size)     # read ahead: on the loop
+        data = self.store.read_cached(ino, off, size)     # from the readahead windows
         if data is not None:
             return data
-        return await _run(self.store.read, ino, off, size, True)   # any buffer
+        return self.store.read(ino, off, size, True)       # any buffer
 
-    @_fuse_errors
-    async def write(self, fh, off, buf):
+    def write(self, fh: int, off: int, buf: bytes) -> int:
         ino = self._ino(fh)
         n = self.store.buffer_write(ino, off, buf)
         if n is None:
-            n = await _run(self.store.write, ino, off, buf)
+            n = self.store.write(ino, off, buf)
         return n
 
-    @_fuse_errors
-    async def flush(self, fh):
+    def flush(self, fh: int) -> None:
         ino = self._ino(fh)
         if not self.store.files.flush_clean(ino):     # bytes or attributes to write out
-            await _run(self.store.commit, ino, durable=False)
+            self.store.commit(ino, durable=False)
 
-    @_fuse_errors
-    async def fsync(self, fh, datasync):
-        await _run(self.store.commit, self._ino(fh), durable=True)
+    def fsync(self, fh: int, datasync: bool) -> None:
+        self.store.commit(self._ino(fh), durable=True)
 
-    @_fuse_errors
-    async def release(self, fh):
+    def release(self, fh: int) -> None:
         ino = self.handles.pop(fh, None)
         if ino is None:
             return
-        if not self.store.files.release_clean(ino):   # its commit has work: not on the loop
-            await _run(self.store.release, ino)
+        if not self.store.files.release_clean(ino):   # its commit has work
+            self.store.release(ino)
         elif self.store.reset_pending:
-            await _run(self.store.reset_empty_zones)
+            self.store.reset_empty_zones()
 
     # -- xattrs --
-    @_fuse_errors
-    async def setxattr(self, inode, name, value, ctx):
-        self.store.setxattr(inode, name, value)
+    def setxattr(self, ino: int, name: bytes, value: bytes, flags: int) -> None:
+        if flags & ~(XATTR_CREATE | XATTR_REPLACE):
+            raise FsError(errno.EINVAL)
+        if flags:
+            try:
+                self.store.getxattr(ino, name)
+                exists = True
+            except FsError as e:
+                if e.errno != errno.ENODATA:
+                    raise
+                exists = False
+            if flags & XATTR_CREATE and exists:
+                raise FsError(errno.EEXIST)
+            if flags & XATTR_REPLACE and not exists:
+                raise FsError(errno.ENODATA)
+        self.store.setxattr(ino, name, value)
 
-    @_fuse_errors
-    async def getxattr(self, inode, name, ctx):
-        if name.startswith(XATTR_PREFIX):     # may match policy regexes: not on the loop
-            return await _run(self.store.getxattr, inode, name)
-        return self.store.getxattr(inode, name)
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        return self.store.getxattr(ino, name)
 
-    @_fuse_errors
-    async def listxattr(self, inode, ctx):
-        return self.store.listxattr(inode)
+    def listxattr(self, ino: int) -> list[bytes]:
+        return self.store.listxattr(ino)
 
-    @_fuse_errors
-    async def removexattr(self, inode, name, ctx):
-        self.store.removexattr(inode, name)
+    def removexattr(self, ino: int, name: bytes) -> None:
+        self.store.removexattr(ino, name)
 
     # -- filesystem --
-    @_fuse_errors
-    async def statfs(self, ctx):
-        s = self.store.statfs()
-        st = pyfuse3.StatvfsData()
-        st.f_bsize = s["bsize"]
-        st.f_frsize = s["bsize"]
-        st.f_blocks = s["blocks"]
-        st.f_bfree = s["bfree"]
-        st.f_bavail = s["bfree"]
-        st.f_files = s["files"] + s["ffree"]
-        st.f_ffree = s["ffree"]
-        st.f_favail = s["ffree"]
-        st.f_namemax = 255
-        return st
+    def statfs(self) -> dict:
+        return self.store.statfs()
 
-    @_fuse_errors
-    async def access(self, inode, mode, ctx):
-        self.store.getattr(inode)
-        return True
+    def access(self, ino: int, mask: int) -> None:
+        self.store.getattr(ino)
 
 
-async def _periodic_sync(store: Store, interval: float) -> None:
-    """Namespace changes become durable within ``interval`` seconds."""
-    while True:
-        await trio.sleep(interval)
+def mount(ops: Operations, mountpoint: str, options: set[str]) -> None:
+    """Mount (RuntimeError when libfuse refuses); ``serve`` then answers the requests."""
+    _fuse.mount(ops, mountpoint, sorted(options))
+
+
+def serve(store: Store, ops: Operations, mountpoint: str, sync_interval: float = 1.0,
+          ready=None, max_threads: int = 64) -> int:
+    """Answer requests until unmounted or signalled (see ``_fuse.serve``); the journal is made
+    durable every ``sync_interval`` seconds meanwhile.  ``ready`` runs once the kernel has
+    processed our INIT reply: a STATFS of the mount waits for that, in the kernel."""
+    stop = threading.Event()
+
+    def periodic_sync() -> None:
+        while not stop.wait(sync_interval):
+            try:
+                store.sync()
+            except Exception:
+                log.exception("periodic journal flush failed")
+
+    def after_init() -> None:
+        ops.initialized.wait()
         try:
-            await trio.to_thread.run_sync(store.sync)
-        except Exception:
-            log.exception("periodic journal flush failed")
+            os.statvfs(mountpoint)
+        except OSError:
+            log.exception("statfs of the new mount")
+        ready()
+
+    threads = [threading.Thread(target=periodic_sync, name="rz-sync", daemon=True)]
+    if ready is not None:
+        threads.append(threading.Thread(target=after_init, name="rz-ready", daemon=True))
+    for t in threads:
+        t.start()
+    try:
+        return _fuse.serve(max_threads)
+    finally:
+        stop.set()
+        threads[0].join()
 
 
-async def _after_init(ops: RetainzOperations, ready) -> None:
-    """Run ``ready`` once the kernel has processed our INIT reply (see ``init``)."""
-    while not ops.initialized:
-        await trio.sleep(0.002)
-    await trio.sleep(0)
-    ready()
-
-
-async def serve(store: Store, sync_interval: float = 1.0, ready=None,
-                ops: RetainzOperations | None = None) -> None:
-    """Run the FUSE loop until unmounted (pyfuse3.init must have been called).
-
-    ``ready`` runs after FUSE INIT when ``ops`` is given, else before the loop starts."""
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_periodic_sync, store, sync_interval)
-        if ready is not None:
-            if ops is not None:
-                nursery.start_soon(_after_init, ops, ready)
-            else:
-                ready()
-        try:
-            await pyfuse3.main(min_tasks=4, max_tasks=32)
-        finally:
-            nursery.cancel_scope.cancel()
+def unmount() -> None:
+    """Unmount if still mounted and free the session (after ``serve`` returned)."""
+    _fuse.close(unmount=True)
 
 
 def fuse_options(fsname: str, extra: list[str] | None = None) -> set[str]:
-    opts = set(pyfuse3.default_options)
-    opts.discard("default_permissions")
-    opts |= {"default_permissions", f"fsname={fsname}", "subtype=retainzfs"}
+    opts = {"default_permissions", f"fsname={fsname}", "subtype=retainzfs"}
     for o in extra or []:
         opts.add(o)
     return opts
-

@@ -34,7 +34,7 @@ ZONEMAP_ROWS = 1024
 VIRTUAL_XATTRS = (XATTR_ZONES, XATTR_HINT, XATTR_STATUS)
 #: set by ``retainzfs fsck --repair`` on files with data past a damaged zone's write pointer
 XATTR_DAMAGED = b"user.retainz.damaged"
-#: the prefix of every retainzfs xattr (the FUSE adapter keeps these off the event loop)
+#: the prefix of every retainzfs xattr
 XATTR_PREFIX = b"user.retainz."
 
 #: births and streams are journaled as signed 64-bit integers (records.pack_inode)

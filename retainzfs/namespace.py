@@ -197,8 +197,8 @@ class _Page:
 
 class Attrs(NamedTuple):
     """A consistent copy of an inode's attributes, taken under ``Store.lock``: what the FUSE
-    adapter gets instead of the live ``Inode`` view, whose row a worker thread may change
-    (or free, and give to a new inode) while the event loop builds its reply."""
+    adapter gets instead of the live ``Inode`` view, whose row another thread may change
+    (or free, and give to a new inode) while one builds its reply."""
     ino: int
     mode: int
     nlink: int

@@ -231,8 +231,8 @@ class NamespaceOps:
                                                     "t": now_ns()}))
 
     def unlink(self, parent: int, name: bytes, reset: bool = True) -> None:
-        """Remove a name; with ``reset=False`` no device I/O (the FUSE adapter calls it on the
-        event loop and runs ``reset_pending`` in a worker thread only when zones emptied)."""
+        """Remove a name; with ``reset=False`` no device I/O (the FUSE adapter then runs
+        ``reset_empty_zones`` itself only when zones emptied: ``Store.reset_pending``)."""
         s = self.s
         with s.lock:
             p, inode = self.child_locked(parent, name)

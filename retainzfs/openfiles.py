@@ -4,8 +4,8 @@ Owns the ``rz-flush`` workers (two; at most two zone writes of a file in flight,
 ``Inode.flushing``/``flushing_prev``) and the per-inode buffer state (``wbuf``, ``inflight``,
 ``flush_turn``, ``flush_err``, ``dirty``).  Buffered bytes go to zones through the data path's
 write loop (``flush_data``: take bytes and a turn under Store.lock, stage them with no lock,
-wait for the turn, then io_lock, then Store.lock for the bookkeeping).  ``buffer_write`` is
-the one entry the event loop calls: Store.lock only, no I/O.
+wait for the turn, then io_lock, then Store.lock for the bookkeeping).  ``buffer_write``,
+``flush_clean`` and ``release_clean`` are the CPU-only fast paths: Store.lock only, no I/O.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class OpenFiles:
 
     def flush_clean(self, ino: int) -> bool:
         """True when a close's ``Store.commit(durable=False)`` would do nothing (a file opened
-        only to read, a second close): the FUSE adapter answers such a FLUSH on the event loop.
+        only to read, a second close): the FUSE adapter then skips the commit.
         Store.lock only, no I/O."""
         s = self.s
         with s.lock:
@@ -62,10 +62,9 @@ class OpenFiles:
             return inode is None or self.clean_locked(inode)
 
     def release_clean(self, ino: int) -> bool:
-        """``Store.release`` on the event loop when its commit has nothing to do (the usual
+        """``Store.release`` without its commit when that has nothing to do (the usual
         RELEASE after a close's FLUSH wrote the file): the open count, the allocator's writer,
-        freeing an unlinked file.  Store.lock only, no I/O; False: call ``Store.release`` in a
-        worker thread.  A freed file may leave zones to reset (``Store.reset_pending``)."""
+        freeing an unlinked file.  Store.lock only, no I/O; False: call ``Store.release``.  A freed file may leave zones to reset (``Store.reset_pending``)."""
         s = self.s
         with s.lock:
             inode = s.inodes.get(ino)
@@ -90,8 +89,8 @@ class OpenFiles:
     def buffer_write(self, ino: int, off: int, data: bytes) -> int | None:
         """Append to the file's write buffer if that needs no device I/O; else None.
 
-        Lets the FUSE adapter answer most writes on the event loop without a thread hop; the
-        writes that would fill the buffer go through ``write`` in a worker thread."""
+        Most writes take this path (one lock, an append); the writes that would fill the
+        buffer go through ``write``, which may flush."""
         s = self.s
         with s.lock:
             inode = s.ns.get_locked(ino)

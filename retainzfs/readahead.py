@@ -1,12 +1,11 @@
 """Sequential readahead inside the daemon: device reads larger and earlier than FUSE's.
 
 Why: a cold read reaches us as 1 MiB READ requests with only a few in flight, and each one
-costs a thread hop, an O_DIRECT read of 1 MiB and a hop back; ext4 reads ahead in large
+costs an O_DIRECT read of 1 MiB in the requesting thread; ext4 reads ahead in large
 requests of its own.  Once a file is read sequentially, the next ``WINDOW`` bytes of it are
 read in the background (each contiguous zone range in one O_DIRECT read, checksums verified
-there, without the GIL), and the requests that follow are answered from those buffers on
-the FUSE event loop: no device call, no thread hop, no copy (the reply is taken from the
-buffer).  A request that falls in a window still
+there, without the GIL), and the requests that follow are answered from those buffers:
+no device call, no copy (the reply is taken from the buffer).  A request that falls in a window still
 being read waits for it instead of reading the same bytes again.  Only a reader that has read
 ``START`` bytes in sequence gets windows: random reads (and mmap page faults, which the kernel
 widens to 4 MiB) read only what they ask.  (Starting windows at once where a reader that was

@@ -218,6 +218,151 @@ def serve(mnt: str) -> int:
     return 0
 
 
+def serve_binding(mnt: str) -> int:
+    """The same null file system on retainzfs's own binding (``retainzfs._fuse``: libfuse's
+    threads, Python handlers taking the GIL per request), in the foreground until unmounted."""
+    import threading
+
+    from retainzfs import _fuse
+    from retainzfs.fs import BLKSIZE, ENTRY_TIMEOUT, _direct_write, fuse_options
+    from retainzfs.namespace import Attrs
+
+    zeros = memoryview(bytes(range(256)) * 4096)      # 1 MiB answered to every read
+    uid, gid = os.getuid(), os.getgid()
+
+    class Node:
+        __slots__ = ("ino", "mode", "size", "nlink", "children", "t", "caps")
+
+        def __init__(self, ino: int, mode: int) -> None:
+            self.ino, self.mode, self.size, self.nlink = ino, mode, 0, 1
+            self.children: dict[bytes, int] = {}
+            self.t = time.time_ns()
+            self.caps = False
+
+    class NullOps:
+        blksize, timeout, negative_timeout = BLKSIZE, ENTRY_TIMEOUT, ENTRY_TIMEOUT
+
+        def __init__(self) -> None:
+            self.nodes = {1: Node(1, stat.S_IFDIR | 0o755)}
+            self.nodes[1].nlink = 2
+            self.next = 2
+            self.lock = threading.Lock()          # handlers run in parallel here
+
+        def init(self):
+            print("OK", flush=True)              # the readahead is set by run_null
+
+        def _attr(self, n: Node) -> Attrs:
+            return Attrs(n.ino, n.mode, n.nlink, uid, gid, 0, n.size, n.t, n.t, n.t, False)
+
+        def _node(self, ino: int) -> Node:
+            try:
+                return self.nodes[ino]
+            except KeyError:
+                raise OSError(errno.ENOENT, "") from None
+
+        def lookup(self, parent, name):
+            ino = self._node(parent).children.get(name)
+            return None if ino is None else self._attr(self.nodes[ino])
+
+        def getattr(self, ino):
+            return self._attr(self._node(ino))
+
+        def setattr(self, ino, changes):
+            n = self._node(ino)
+            if "size" in changes:
+                n.size = changes["size"]
+            if "mode" in changes:
+                n.mode = (n.mode & ~0o7777) | (changes["mode"] & 0o7777)
+            return self._attr(n)
+
+        def _new(self, parent: int, name: bytes, mode: int) -> Node:
+            with self.lock:
+                p = self._node(parent)
+                if name in p.children:
+                    raise OSError(errno.EEXIST, "")
+                n = Node(self.next, mode)
+                self.next += 1
+                self.nodes[n.ino] = n
+                p.children[name] = n.ino
+                return n
+
+        def create(self, parent, name, mode, flags, ctx):
+            n = self._new(parent, name, stat.S_IFREG | (mode & 0o7777 & ~ctx[2]))
+            return n.ino, _direct_write(flags, n), True, self._attr(n)
+
+        def mkdir(self, parent, name, mode, ctx):
+            n = self._new(parent, name, stat.S_IFDIR | (mode & 0o7777 & ~ctx[2]))
+            n.nlink = 2
+            return self._attr(n)
+
+        def open(self, ino, flags):
+            n = self._node(ino)
+            if flags & os.O_TRUNC:
+                n.size = 0
+            return ino, _direct_write(flags, n), True
+
+        def read(self, fh, off, size):
+            n = self.nodes[fh]
+            return zeros[:max(0, min(size, n.size - off, len(zeros)))]
+
+        def write(self, fh, off, buf):
+            n = self.nodes[fh]
+            n.size = max(n.size, off + len(buf))
+            return len(buf)
+
+        def flush(self, fh):
+            pass
+
+        def fsync(self, fh, datasync):
+            pass
+
+        def release(self, fh):
+            pass
+
+        def _remove(self, parent: int, name: bytes) -> None:
+            with self.lock:
+                ino = self._node(parent).children.pop(name, None)
+                if ino is None:
+                    raise OSError(errno.ENOENT, "")
+                self.nodes.pop(ino, None)
+
+        def unlink(self, parent, name):
+            self._remove(parent, name)
+
+        def rmdir(self, parent, name):
+            if self.nodes[self._node(parent).children.get(name, 0)].children:
+                raise OSError(errno.ENOTEMPTY, "")
+            self._remove(parent, name)
+
+        def opendir(self, ino):
+            return ino
+
+        def readdir(self, fh, start):
+            items = list(self._node(fh).children.items())
+            return [(name, self._attr(self.nodes[ino]), i + 1)
+                    for i, (name, ino) in enumerate(items) if i >= start]
+
+        def counted(self, ino):
+            pass
+
+        def forget(self, pairs):
+            pass
+
+        def statfs(self):
+            return {"bsize": 4096, "blocks": 1 << 30, "bfree": 1 << 30, "files": 0,
+                    "ffree": 1 << 20}
+
+        def access(self, ino, mask):
+            pass
+
+    _fuse.mount(NullOps(), mnt, sorted(fuse_options("nullfs")))
+    try:
+        _fuse.serve()
+    finally:
+        _fuse.close(unmount=True)
+    return 0
+
+
 def build_c(work: str) -> str | None:
     """Compile ``nullfs_mt.c`` into ``work``; None (and why, on stderr) when it cannot be."""
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nullfs_mt.c")
@@ -259,9 +404,12 @@ def run_null(cmd: list[str], mnt: str, size: int) -> dict:
 def main() -> int:
     ap = bench_parser(__doc__)
     ap.add_argument("--serve", metavar="MNT", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-binding", metavar="MNT", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve:
         return serve(a.serve)
+    if a.serve_binding:
+        return serve_binding(a.serve_binding)
     from bench_io import TARGETS, figures
 
     from retainzfs.cli.common import parse_size
@@ -270,7 +418,8 @@ def main() -> int:
     mnt, plain = os.path.join(work, "mnt"), os.path.join(work, "plain")
     os.makedirs(mnt)
     os.makedirs(plain)
-    cmds = {"pyfuse3": [sys.executable, os.path.abspath(__file__), "--serve", mnt]}
+    cmds = {"pyfuse3": [sys.executable, os.path.abspath(__file__), "--serve", mnt],
+            "rz_binding": [sys.executable, os.path.abspath(__file__), "--serve-binding", mnt]}
     exe = build_c(work)
     if exe:
         cmds["c_mt"] = [exe, mnt]
@@ -303,8 +452,9 @@ def main() -> int:
         return 0
     print(f"{size / MiB:.0f} MiB files, 1 MiB requests, {a.rounds} alternating rounds; file "
           f"systems that store nothing against a plain file (ratio = plain / null time):")
-    print("  pyfuse3 = one trio thread (what retainzfs runs on); c_mt = C, libfuse's "
-          "multi-threaded loop")
+    print("  pyfuse3 = one trio thread (what retainzfs ran on until stop 14); rz_binding = "
+          "retainzfs's binding (_fuse.pyx: libfuse's threads, Python handlers); c_mt = C, "
+          "libfuse's multi-threaded loop")
     for k, v in table.items():
         cols = "  ".join(f"{kind} {v[f'{kind}_s']:6.2f} s = {v[f'{kind}_ratio']:5.2f}"
                          for kind in cmds)

@@ -1,5 +1,5 @@
-"""scripts/bench_fuse_ceiling.py: the null file systems it measures (pyfuse3, and C on libfuse's
-multi-threaded loop), and a small run.
+"""scripts/bench_fuse_ceiling.py: the null file systems it measures (on pyfuse3, on retainzfs's
+own binding, and in C on libfuse's multi-threaded loop), and a small run.
 
 The ceiling it prints is only worth something if the null file system does the same work a
 user's program asks of retainzfs (sizes, directory entries, reads of the whole file, rmtree),
@@ -28,13 +28,15 @@ def _mounted(path: str) -> bool:
         return any(line.split()[4] == real for line in f)
 
 
-@pytest.fixture(params=["pyfuse3", "c_mt"])
+@pytest.fixture(params=["pyfuse3", "rz_binding", "c_mt"])
 def nullfs(tmp_path, request):
     """Each null file system the script measures, mounted."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     if request.param == "pyfuse3":
         cmd = [sys.executable, str(BENCH), "--serve", str(mnt)]
+    elif request.param == "rz_binding":
+        cmd = [sys.executable, str(BENCH), "--serve-binding", str(mnt)]
     else:
         sys.path.insert(0, str(BENCH.parent))
         from bench_fuse_ceiling import build_c
@@ -83,10 +85,10 @@ def test_the_script_prints_a_ceiling_for_every_bench_io_figure(tmp_path):
     res = json.loads(r.stdout)
     assert set(res["figures"]) == {"seq_write_fsync", "cold_seq_read", "8_writers", "8_readers",
                                    "random_4k_mmap_read", "small_files_2000"}
-    assert set(res["daemons"]) == {"pyfuse3", "c_mt"}
+    assert set(res["daemons"]) == {"pyfuse3", "rz_binding", "c_mt"}
     for k, v in res["figures"].items():
         assert v["plain_s"] > 0, (k, v)
-        for kind in ("pyfuse3", "c_mt"):
+        for kind in ("pyfuse3", "rz_binding", "c_mt"):
             assert math.isfinite(v[f"{kind}_ratio"]) and v[f"{kind}_ratio"] > 0, (k, kind, v)
             assert v[f"{kind}_s"] > 0, (k, kind, v)
     time.sleep(0.2)

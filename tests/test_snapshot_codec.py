@@ -13,7 +13,7 @@ import stat
 from array import array
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from retainzfs import _journal as J
@@ -124,6 +124,9 @@ def test_large_entries_cross_decode_windows():
                           st.dictionaries(name, st.binary(max_size=64), max_size=3),
                           st.none() | hint, st.lists(extent, max_size=3)),
                 max_size=30, unique_by=lambda t: t[0]))
+# found by hypothesis (stop 14): an extent written before the one it continues merged on reload
+# (records applied in order) but not in the live map, so the two snapshots differed
+@example([(b"\x00", "file", {}, None, [(0, 2, 1, 0, math.inf), (0, 1, 1, 0, math.inf)])])
 def test_namespace_snapshot_roundtrip(items):
     """Inode objects -> snapshot -> Inode objects: every persistent attribute survives."""
     root = Inode(1, stat.S_IFDIR | 0o755, nlink=2, atime=5, mtime=5, ctime=5)

@@ -265,7 +265,7 @@ def _default_log(mnt: str) -> str:
 def _tune_malloc() -> None:
     """Keep 1 MiB request buffers on the heap instead of a fresh mmap per FUSE write.
 
-    pyfuse3 allocates a new bytes object for every write request; above glibc's default
+    The FUSE binding allocates a new bytes object for every write request; above glibc's default
     128 KiB mmap threshold each one costs an mmap, 256 page faults and an munmap, which was
     a third of the per-request time.  Heap reuse is bounded by the write buffers (FLUSH_BYTES
     per open file).
@@ -287,11 +287,8 @@ def _tune_malloc() -> None:
 
 def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: int | None) -> int:
     """Open, mount, serve until unmounted; report readiness (or the error) on notify_fd."""
-    import pyfuse3
-    import trio
-
+    from .. import fs
     from ..device import DeviceError
-    from ..fs import RetainzOperations, fuse_options, serve as fs_serve
 
     def notify(msg: str) -> None:
         if notify_fd is not None:
@@ -326,10 +323,10 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
             if notify_fd is None:
                 die(msg)
             return 1
-    ops = RetainzOperations(store)
+    ops = fs.Operations(store)
     try:
         extra = list(fuse_extra) + (["ro"] if ours.get("readonly") else [])
-        pyfuse3.init(ops, mnt, fuse_options(os.path.realpath(target), extra))
+        fs.mount(ops, mnt, fs.fuse_options(os.path.realpath(target), extra))
     except Exception as e:
         store.close()
         dev.close()
@@ -348,29 +345,22 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
                  store.opts.allocator, ra, store.tuning["image_io"])
         notify("OK")
 
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            async def on_signal():
-                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
-                    async for _ in sigs:
-                        log.info("signal: unmounting")
-                        pyfuse3.terminate()
-                        return
-            nursery.start_soon(on_signal)
-            await fs_serve(store, ours.get("sync_interval", 1.0), ready=ready, ops=ops)
-            nursery.cancel_scope.cancel()
-
     rc = 0
     try:
-        trio.run(main)
+        code = fs.serve(store, ops, mnt, ours.get("sync_interval", 1.0), ready=ready)
+        if code > 0:
+            log.info("signal %d: unmounting", code)
+        elif code < 0:
+            log.error("FUSE loop failed: %s", os.strerror(-code))
+            rc = 1
     except Exception:
         log.exception("FUSE loop failed")
         rc = 1
     finally:
         try:
-            pyfuse3.close(unmount=True)
+            fs.unmount()
         except Exception:
-            pass
+            log.exception("unmounting")
         try:
             store.close()
         except Exception:
