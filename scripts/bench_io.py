@@ -153,7 +153,8 @@ def main() -> int:
                     continue
                 subprocess.run(["mkfs.retainzfs", "-q", "--force", "--size", str(img_size),
                                 "--zone-size", "64M", img], check=True)
-                subprocess.run(["mount.retainzfs", img, mnt], check=True)
+                subprocess.run(["mount.retainzfs", img, mnt]
+                               + (["-o", a.options] if a.options else []), check=True)
                 try:
                     res[kind].append(figures(mnt, size, daemon_pid(img)))
                 finally:

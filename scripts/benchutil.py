@@ -64,4 +64,7 @@ def bench_parser(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workdir", default="/var/tmp")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("-o", dest="options", default="",
+                    help="mount options for the retainzfs side (mount.retainzfs -o), to compare "
+                         "settings: e.g. image_io=buffered")
     return ap
