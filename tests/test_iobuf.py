@@ -319,8 +319,8 @@ def test_sequential_reads_through_the_windows_are_exact(tmp_path_factory, size, 
 
 
 def test_readahead_serves_hits_and_never_stale_bytes(tmp_path):
-    """A sequential reader is served from the windows (``status.readahead``, and on the
-    event loop via ``read_cached``); an overwrite, a truncate, and a zone reset + rewrite of
+    """A sequential reader is served from the windows (``status.readahead``, and with
+    no device call via ``read_cached``); an overwrite, a truncate, and a zone reset + rewrite of
     the very zone range that was read ahead are all seen at once."""
     dev, s = _store(tmp_path)
     try:
@@ -340,7 +340,7 @@ def test_readahead_serves_hits_and_never_stale_bytes(tmp_path):
         for off in range(0, START, MiB):                       # last one read may have left
             s.read(ino, off, MiB)                              # the page cache): from 0...
         for _ in range(200):                                   # ...its windows arrive
-            hit = s.data.read_cached(ino, START, MiB)          # the event loop's path
+            hit = s.data.read_cached(ino, START, MiB)          # the FUSE read's first try
             if hit is not None:
                 break
             time.sleep(0.01)

@@ -3,7 +3,7 @@
 * A lookup that finds nothing is cached by the kernel as a negative dentry (st_ino=0 with an
   entry timeout): a name made through the same mount right after a miss must be visible at once,
   whatever made it.
-* FLUSH of a clean file and RELEASE after a close's FLUSH are answered on the event loop: the
+* FLUSH of a clean file and RELEASE after a close's FLUSH skip the commit (CPU only): the
   file must still be complete, freed when unlinked while open, and its hints/status live.
 """
 from __future__ import annotations

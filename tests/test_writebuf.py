@@ -106,7 +106,7 @@ big_size = st.one_of(around(BS, FLUSH_BYTES - BS, FLUSH_BYTES, FLUSH_BYTES + BS,
                                                                   HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(big_size, st.booleans()), min_size=1, max_size=5), st.booleans())
 def test_store_buffers_at_most_4_mib_and_reads_back(tmp_path_factory, writes, durable):
-    """Writes of sizes around 4 KiB and 4 MiB, buffered (the event loop's ``buffer_write``)
+    """Writes of sizes around 4 KiB and 4 MiB, buffered (``buffer_write``, the fast path)
     or not: a file never holds a full 4 MiB of unplaced bytes after a write returns, reads see
     every byte before and after commit, and a remount reads the same file."""
     d = tmp_path_factory.mktemp("wb")
