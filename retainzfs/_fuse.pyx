@@ -29,6 +29,8 @@ import errno as _errno
 import logging
 import os
 
+from .errors import FsError
+
 log = logging.getLogger("retainzfs")
 
 cdef extern from "<sys/stat.h>":
@@ -228,10 +230,15 @@ cdef fuse_lowlevel_ops _llops
 # ---------------------------------------------------------------------------- helpers (GIL held)
 
 cdef int _err(object e, const char *op):
-    """The errno for an exception raised by a handler; anything without one is logged, EIO."""
+    """The errno for an exception raised by a handler: an ``FsError`` is an answer (not
+    logged); another OSError (the device's) is logged and keeps its errno; anything else is
+    logged as an internal error and answered EIO."""
     cdef object n = getattr(e, "errno", None)
-    if isinstance(e, OSError) and isinstance(n, int) and n > 0:
+    if isinstance(e, FsError) and isinstance(n, int) and n > 0:
         return n
+    if isinstance(e, OSError):
+        log.error("I/O error in %s", op.decode(), exc_info=e)
+        return n if isinstance(n, int) and n > 0 else _errno.EIO
     log.error("internal error in %s", op.decode(), exc_info=e)
     return _errno.EIO
 
