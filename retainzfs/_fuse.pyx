@@ -315,6 +315,26 @@ cdef int _reply_sized(fuse_req_t req, object data, size_t size):
     return _reply_bytes(req, data)
 
 
+cdef void _answer_ok(fuse_req_t req, const char *op, object fn, tuple args):
+    """Run a handler that returns nothing: reply 0, or its errno."""
+    try:
+        fn(*args)
+    except BaseException as exc:
+        fuse_reply_err(req, _err(exc, op))
+    else:
+        fuse_reply_err(req, 0)
+
+
+cdef void _answer_entry(fuse_req_t req, const char *op, object fn, tuple args):
+    """Run a handler that returns an entry (``Attrs``, or None for a cached miss)."""
+    try:
+        a = fn(*args)
+    except BaseException as exc:
+        fuse_reply_err(req, _err(exc, op))
+    else:
+        _reply_entry(req, a)
+
+
 # ---------------------------------------------------------------------------- handlers (GIL held)
 
 cdef void h_init(void *userdata, fuse_conn_info *conn) noexcept with gil:
@@ -326,12 +346,7 @@ cdef void h_init(void *userdata, fuse_conn_info *conn) noexcept with gil:
 
 
 cdef void h_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) noexcept with gil:
-    try:
-        a = _ops.lookup(parent, <bytes>name)
-    except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"lookup"))
-    else:
-        _reply_entry(req, a)
+    _answer_entry(req, b"lookup", _ops.lookup, (parent, <bytes>name))
 
 
 cdef void h_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup) noexcept with gil:
@@ -408,70 +423,36 @@ cdef void h_readlink(fuse_req_t req, fuse_ino_t ino) noexcept with gil:
 
 cdef void h_mknod(fuse_req_t req, fuse_ino_t parent, const char *name, unsigned int mode,
                    unsigned long rdev) noexcept with gil:
-    try:
-        a = _ops.mknod(parent, <bytes>name, mode, rdev, _ctx(req))
-    except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"mknod"))
-    else:
-        _reply_entry(req, a)
+    _answer_entry(req, b"mknod", _ops.mknod, (parent, <bytes>name, mode, rdev, _ctx(req)))
 
 
 cdef void h_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name,
                    unsigned int mode) noexcept with gil:
-    try:
-        a = _ops.mkdir(parent, <bytes>name, mode, _ctx(req))
-    except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"mkdir"))
-    else:
-        _reply_entry(req, a)
+    _answer_entry(req, b"mkdir", _ops.mkdir, (parent, <bytes>name, mode, _ctx(req)))
 
 
 cdef void h_symlink(fuse_req_t req, const char *link, fuse_ino_t parent,
                      const char *name) noexcept with gil:
-    try:
-        a = _ops.symlink(parent, <bytes>name, <bytes>link, _ctx(req))
-    except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"symlink"))
-    else:
-        _reply_entry(req, a)
+    _answer_entry(req, b"symlink", _ops.symlink, (parent, <bytes>name, <bytes>link, _ctx(req)))
 
 
 cdef void h_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent,
                   const char *newname) noexcept with gil:
-    try:
-        a = _ops.link(ino, newparent, <bytes>newname)
-    except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"link"))
-    else:
-        _reply_entry(req, a)
+    _answer_entry(req, b"link", _ops.link, (ino, newparent, <bytes>newname))
 
 
 cdef void h_unlink(fuse_req_t req, fuse_ino_t parent, const char *name) noexcept with gil:
-    try:
-        _ops.unlink(parent, <bytes>name)
-    except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"unlink"))
-    else:
-        fuse_reply_err(req, 0)
+    _answer_ok(req, b"unlink", _ops.unlink, (parent, <bytes>name))
 
 
 cdef void h_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name) noexcept with gil:
-    try:
-        _ops.rmdir(parent, <bytes>name)
-    except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"rmdir"))
-    else:
-        fuse_reply_err(req, 0)
+    _answer_ok(req, b"rmdir", _ops.rmdir, (parent, <bytes>name))
 
 
 cdef void h_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_ino_t newparent,
                     const char *newname, unsigned int flags) noexcept with gil:
-    try:
-        _ops.rename(parent, <bytes>name, newparent, <bytes>newname, flags)
-    except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"rename"))
-    else:
-        fuse_reply_err(req, 0)
+    _answer_ok(req, b"rename", _ops.rename,
+               (parent, <bytes>name, newparent, <bytes>newname, flags))
 
 
 cdef void h_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept with gil:
@@ -529,31 +510,16 @@ cdef void h_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, 
 
 
 cdef void h_flush(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept with gil:
-    try:
-        _ops.flush(fi.fh)
-    except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"flush"))
-    else:
-        fuse_reply_err(req, 0)
+    _answer_ok(req, b"flush", _ops.flush, (fi.fh,))
 
 
 cdef void h_release(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept with gil:
-    try:
-        _ops.release(fi.fh)
-    except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"release"))
-    else:
-        fuse_reply_err(req, 0)
+    _answer_ok(req, b"release", _ops.release, (fi.fh,))
 
 
 cdef void h_fsync(fuse_req_t req, fuse_ino_t ino, int datasync,
                    fuse_file_info *fi) noexcept with gil:
-    try:
-        _ops.fsync(fi.fh, datasync != 0)
-    except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"fsync"))
-    else:
-        fuse_reply_err(req, 0)
+    _answer_ok(req, b"fsync", _ops.fsync, (fi.fh, datasync != 0))
 
 
 cdef void h_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept with gil:
@@ -602,12 +568,7 @@ cdef void ll_releasedir(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noex
 
 cdef void h_fsyncdir(fuse_req_t req, fuse_ino_t ino, int datasync,
                       fuse_file_info *fi) noexcept with gil:
-    try:
-        _ops.fsyncdir(fi.fh, datasync != 0)
-    except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"fsyncdir"))
-    else:
-        fuse_reply_err(req, 0)
+    _answer_ok(req, b"fsyncdir", _ops.fsyncdir, (fi.fh, datasync != 0))
 
 
 cdef void h_statfs(fuse_req_t req, fuse_ino_t ino) noexcept with gil:
@@ -632,12 +593,8 @@ cdef void h_statfs(fuse_req_t req, fuse_ino_t ino) noexcept with gil:
 
 cdef void h_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name, const char *value,
                       size_t size, int flags) noexcept with gil:
-    try:
-        _ops.setxattr(ino, <bytes>name, PyBytes_FromStringAndSize(value, size), flags)
-    except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"setxattr"))
-    else:
-        fuse_reply_err(req, 0)
+    _answer_ok(req, b"setxattr", _ops.setxattr,
+               (ino, <bytes>name, PyBytes_FromStringAndSize(value, size), flags))
 
 
 cdef void h_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
@@ -661,21 +618,11 @@ cdef void h_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) noexcept with
 
 
 cdef void h_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name) noexcept with gil:
-    try:
-        _ops.removexattr(ino, <bytes>name)
-    except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"removexattr"))
-    else:
-        fuse_reply_err(req, 0)
+    _answer_ok(req, b"removexattr", _ops.removexattr, (ino, <bytes>name))
 
 
 cdef void h_access(fuse_req_t req, fuse_ino_t ino, int mask) noexcept with gil:
-    try:
-        _ops.access(ino, mask)
-    except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"access"))
-    else:
-        fuse_reply_err(req, 0)
+    _answer_ok(req, b"access", _ops.access, (ino, mask))
 
 
 # ---------------------------------------------------------------------------- entry points (libfuse threads, no GIL)

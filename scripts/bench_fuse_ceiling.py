@@ -42,6 +42,20 @@ from benchutil import bench_parser  # noqa: E402  (this directory, put on the pa
 
 MiB = 1 << 20
 
+#: 1 MiB answered to every read by both Python null file systems
+ZEROS = memoryview(bytes(range(256)) * 4096)
+
+
+class Node:
+    """A file or directory of the null file systems: its size and names, no bytes."""
+    __slots__ = ("ino", "mode", "size", "nlink", "children", "t", "caps")
+
+    def __init__(self, ino: int, mode: int) -> None:
+        self.ino, self.mode, self.size, self.nlink = ino, mode, 0, 1
+        self.children: dict[bytes, int] = {}
+        self.t = time.time_ns()
+        self.caps = False
+
 
 def serve(mnt: str) -> int:
     """Run the null file system on ``mnt`` in the foreground until unmounted."""
@@ -50,16 +64,6 @@ def serve(mnt: str) -> int:
 
     from retainzfs.fs import BLKSIZE, ENTRY_TIMEOUT, _direct_write, fuse_options
 
-    zeros = memoryview(bytes(range(256)) * 4096)      # 1 MiB answered to every read
-
-    class Node:
-        __slots__ = ("ino", "mode", "size", "nlink", "children", "t", "caps")
-
-        def __init__(self, ino: int, mode: int) -> None:
-            self.ino, self.mode, self.size, self.nlink = ino, mode, 0, 1
-            self.children: dict[bytes, int] = {}
-            self.t = time.time_ns()
-            self.caps = False
 
     class NullFS(pyfuse3.Operations):
         supports_dot_lookup = True
@@ -140,8 +144,8 @@ def serve(mnt: str) -> int:
 
         async def read(self, fh, off, size):
             n = self.nodes[fh]
-            size = max(0, min(size, n.size - off, len(zeros)))
-            return zeros[:size]
+            size = max(0, min(size, n.size - off, len(ZEROS)))
+            return ZEROS[:size]
 
         async def write(self, fh, off, buf):
             n = self.nodes[fh]
@@ -227,17 +231,7 @@ def serve_binding(mnt: str) -> int:
     from retainzfs.fs import BLKSIZE, ENTRY_TIMEOUT, _direct_write, fuse_options
     from retainzfs.namespace import Attrs
 
-    zeros = memoryview(bytes(range(256)) * 4096)      # 1 MiB answered to every read
     uid, gid = os.getuid(), os.getgid()
-
-    class Node:
-        __slots__ = ("ino", "mode", "size", "nlink", "children", "t", "caps")
-
-        def __init__(self, ino: int, mode: int) -> None:
-            self.ino, self.mode, self.size, self.nlink = ino, mode, 0, 1
-            self.children: dict[bytes, int] = {}
-            self.t = time.time_ns()
-            self.caps = False
 
     class NullOps:
         blksize, timeout, negative_timeout = BLKSIZE, ENTRY_TIMEOUT, ENTRY_TIMEOUT
@@ -303,7 +297,7 @@ def serve_binding(mnt: str) -> int:
 
         def read(self, fh, off, size):
             n = self.nodes[fh]
-            return zeros[:max(0, min(size, n.size - off, len(zeros)))]
+            return ZEROS[:max(0, min(size, n.size - off, len(ZEROS)))]
 
         def write(self, fh, off, buf):
             n = self.nodes[fh]
