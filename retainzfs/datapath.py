@@ -1,18 +1,21 @@
 """The data path: where bytes go in zones and how they come back.
 
 Owns placement (the allocator calls, the save-size accounting of ``declare_save``), the open-zone
-budget (``Store.open_lru``), THE write loop (``write_iolocked``: place, pad, open slot, write,
+budget (``Store.open_lru``), THE write loop (``write``: place, pad, open slot, reserve, write,
 checksum, note, journal) used by file data and GC copies alike, and verified reads (checksums,
 zones out of service, the in-flight reader count a reset waits for).
 
-Locks: ``_iolocked`` methods run with ``Store.io_lock`` held (they move write pointers) and take
-``Store.lock`` for the CPU-only bookkeeping after each device write; ``_locked`` methods run with
-``Store.lock`` held.  Reads take ``Store.lock`` only to look up extents and checksums.
+Locks: ``_iolocked`` methods run with ``Store.io_lock`` held (they place data and move write
+pointers) and take ``Store.lock`` for the CPU-only bookkeeping; ``_locked`` methods run with
+``Store.lock`` held.  File data are written with io_lock held only to place and reserve
+(``write``): the device writes of several flushes run in parallel.  Reads take ``Store.lock``
+only to look up extents and checksums.
 """
 from __future__ import annotations
 
 import errno
 import logging
+from contextlib import nullcontext
 from time import perf_counter
 
 from . import hints as H
@@ -34,7 +37,7 @@ STAGE_MIN = 256 << 10
 
 class Staged:
     """A flush copied into one page-aligned, block-padded buffer (its length is the padded
-    length) with its checksums, made with no lock held.  ``write_iolocked`` uses it when the
+    length) with its checksums, made with no lock held.  ``write`` uses it when the
     bytes go to the device as one run (the usual case); a run split where a zone ends falls
     back to the scatter list."""
     __slots__ = ("buf", "crcs")
@@ -214,7 +217,11 @@ class DataPath:
             return
         if dev.max_open:
             while dev.open_count() >= dev.max_open:
-                victim = next((z for z in lru if z != zone and dev.zone(z).is_open), None)
+                # a zone with writes reserved is closed last (the close waits for them)
+                victim = next((z for z in lru if z != zone and dev.zone(z).is_open
+                               and not dev.pending(z)), None)
+                if victim is None:
+                    victim = next((z for z in lru if z != zone and dev.zone(z).is_open), None)
                 if victim is None:
                     break
                 lru.pop(victim)
@@ -376,25 +383,34 @@ class DataPath:
         padded = -(-n // self.s.bs) * self.s.bs
         return Staged(*gather_crc(data.parts, n, padded, CSUM_PIECE))
 
-    def write_iolocked(self, ino: int, off: int, data: Chunks, hint: H.Hint,
-                       copy_from: tuple[int, int] | None = None,
-                       staged: Staged | None = None) -> None:
+    def write(self, ino: int, off: int, data: Chunks, hint: H.Hint,
+              copy_from: tuple[int, list] | None = None,
+              staged: Staged | None = None) -> None:
         """Place and write ``data`` (file offset ``off`` of inode ``ino``), across zones as
-        needed: place, pad to blocks, open slot, checksum, write, note, journal.
+        needed: place, pad to blocks, reserve, checksum, write, commit, note, journal.
 
         ``copy_from=None``: file data, placed by ``place_iolocked``; each piece becomes an
-        EXTENT record (what it overwrites is dead).  ``copy_from=(victim, segs)``: a GC copy,
-        placed by ``place_copy_iolocked``, where ``data`` is the concatenation of the segments
-        ``segs`` = [(file_off, length, victim_zoff)] of inode ``ino`` (``off`` unused) packed
-        with no padding between them, so a file written in many small pieces is not copied
-        block-padded piece by piece (which would free nothing).  Each segment (split where
-        a zone ends) becomes a RELOCATE record that moves the extent if it still maps those
-        bytes (else that part of the copy is dead at once).
+        EXTENT record (what it overwrites is dead).  Called *without* io_lock: it is held
+        only to place and reserve each piece; the device write runs with no lock, in
+        parallel with other flushes (of other files or of the same zone: the device orders
+        their commits, ``ZonedDevice.reserve``), and the piece is recorded in its zone's
+        turn, so records stay in zone order.  ``copy_from=(victim, segs)``: a GC copy, with
+        io_lock held by the caller throughout, placed by ``place_copy_iolocked``, where
+        ``data`` is the concatenation of the segments ``segs`` = [(file_off, length,
+        victim_zoff)] of inode ``ino`` (``off`` unused) packed with no padding between them,
+        so a file written in many small pieces is not copied block-padded piece by piece
+        (which would free nothing).  Each segment (split where a zone ends) becomes a
+        RELOCATE record that moves the extent if it still maps those bytes (else that part
+        of the copy is dead at once).
+
+        A zone with a reservation outstanding is never reset, finished or closed before it
+        is committed (the device waits; ``Reclaim`` skips it), so ``zgen`` taken at the
+        reservation is the one the bytes land in.
 
         ``staged``: ``data`` already copied and checksummed by ``stage``."""
         s = self.s
-        assert s.io_lock._is_owned(), "write_iolocked without io_lock"
-        t_loop = perf_counter()
+        gc = copy_from is not None
+        assert s.io_lock._is_owned() == gc, "write: io_lock must be held for GC copies only"
         bs = s.bs
         dev = s.dev
         stats = s.stats
@@ -404,43 +420,69 @@ class DataPath:
         while pos < total:
             remaining = total - pos
             padded = -(-remaining // bs) * bs
-            if copy_from is None:
-                zone, nbytes = self.place_iolocked(padded, hint, False, ino)
-            else:
-                zone, nbytes = self.place_copy_iolocked(padded, hint, copy_from[0])
-            payload = min(nbytes, remaining)
-            pad = nbytes - payload
-            if staged is not None and pos == 0 and nbytes == len(staged.buf):
-                chunk, crcs = staged.buf, staged.crcs     # one run: as staged
-            else:
-                chunk = data.slice(pos, pos + payload)
-                if pad:
-                    chunk.append(bytes(pad))
-                crcs = None
-            self.ensure_open_slot_iolocked(zone)
-            zoff = dev.zone(zone).wp
-            if crcs is None:
-                crcs = crcs_of(chunk, nbytes)     # on the buffers in hand, before the write
-            t_dev = perf_counter()
-            dev.write(zone, zoff, chunk)
-            stats["device_write_s"] += perf_counter() - t_dev
-            s._wgen += 1
-            with s.lock:
-                zg = s.zgen[zone]
-                s.do_locked(R.CSUM, R.pack_csum(zone, zg, zoff, nbytes, crcs))
-                s.alloc.note_write(zone, payload, reclaim, True)
-                if pad:
-                    s.alloc.note_write(zone, pad, reclaim, False)
-                if copy_from is None:
-                    stats["payload_bytes"] += payload
-                    stats["pad_bytes"] += pad
-                    if ino not in s.inodes:   # deleted while we wrote: the bytes are dead already
-                        s.reclaim.dead_locked([(zone, payload, reclaim)])
-                    else:
-                        s.reclaim.dead_locked(s.do_locked(R.EXTENT, R.pack_extent(
-                            ino, off + pos, zone, zg, zoff, payload, reclaim)))
+            t_lock = perf_counter()
+            with (nullcontext() if gc else s.io_lock):
+                if gc:
+                    zone, nbytes = self.place_copy_iolocked(padded, hint, copy_from[0])
                 else:
-                    stats["gc_copied_bytes"] += nbytes
-                    self._relocate_locked(ino, copy_from, pos, payload, zone, zg, zoff, reclaim)
+                    zone, nbytes = self.place_iolocked(padded, hint, False, ino)
+                self.ensure_open_slot_iolocked(zone)
+                zoff = dev.reserve(zone, nbytes)
+                payload = min(nbytes, remaining)
+                pad = nbytes - payload
+                with s.lock:          # noted with the placement: the next one comes after
+                    zg = s.zgen[zone]
+                    s.alloc.note_write(zone, payload, reclaim, True)
+                    if pad:
+                        s.alloc.note_write(zone, pad, reclaim, False)
+                    stats["data_write_s"] += perf_counter() - t_lock
+            try:
+                if staged is not None and pos == 0 and nbytes == len(staged.buf):
+                    chunk, crcs = staged.buf, staged.crcs     # one run: as staged
+                else:
+                    chunk = data.slice(pos, pos + payload)
+                    if pad:
+                        chunk.append(bytes(pad))
+                    crcs = crcs_of(chunk, nbytes)   # on the buffers in hand, before the write
+                t_dev = perf_counter()
+                dev.write_reserved(zone, zoff, chunk, nbytes)
+                t_dev = perf_counter() - t_dev
+                dev.commit(zone, zoff, nbytes)       # in the zone's turn from here
+                with s.lock:
+                    assert s.zgen[zone] == zg, "zone reset under a reservation"
+                    s._wgen += 1
+                    stats["device_write_s"] += t_dev
+                    s.do_locked(R.CSUM, R.pack_csum(zone, zg, zoff, nbytes, crcs))
+                    if not gc:
+                        stats["payload_bytes"] += payload
+                        stats["pad_bytes"] += pad
+                        if ino not in s.inodes:   # deleted while we wrote: dead already
+                            s.reclaim.dead_locked([(zone, payload, reclaim)])
+                        else:
+                            s.reclaim.dead_locked(s.do_locked(R.EXTENT, R.pack_extent(
+                                ino, off + pos, zone, zg, zoff, payload, reclaim)))
+                    else:
+                        stats["gc_copied_bytes"] += nbytes
+                        self._relocate_locked(ino, copy_from, pos, payload, zone, zg, zoff,
+                                              reclaim)
+            except BaseException:
+                self._abandon(zone, zoff, payload, reclaim)
+                raise
+            finally:
+                dev.pass_turn(zone, zoff, nbytes)
             pos += payload
-        stats["data_write_s"] += perf_counter() - t_loop
+
+    def _abandon(self, zone: int, zoff: int, payload: int, reclaim) -> None:
+        """A reserved write failed (in its turn): the zone is finished behind the hole (the
+        reservations after it keep what they wrote) and the payload noted live at the
+        reservation counted dead."""
+        s = self.s
+        try:
+            s.dev.abandon(zone, zoff, payload)
+        except Exception:
+            log.exception("zone %d: finishing it after a failed write", zone)
+        with s.lock:
+            s.reclaim.dead_locked([(zone, payload, reclaim)])
+            s.alloc.note_finish(zone)
+            s.stats["zone_finishes"] += 1
+            s.do_locked(R.ZONE_FINISH, R.pack_zone(zone))

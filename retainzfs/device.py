@@ -148,6 +148,9 @@ class ZonedDevice(ABC):
         self.resets = 0
         self._zshift = zone_size.bit_length() - 1
         self._lock = threading.Lock()
+        # reservations (``reserve``) wait on this for their turn; management commands for a
+        # zone's reservations to be committed
+        self._cv = threading.Condition(self._lock)
         self._set_table(wps, conds, caps, sizes)
 
     def _set_table(self, wps: list[int], conds: list[int], caps: list[int],
@@ -156,6 +159,13 @@ class ZonedDevice(ABC):
         self._cond = conds
         self._cap = caps
         self._size = sizes
+        old = getattr(self, "_pending", None)
+        if old is not None and len(old) == len(wps) and any(old):   # a report meanwhile
+            self._resv = [max(a, b) for a, b in zip(self._resv, wps)]
+        else:
+            self._pending = [0] * len(wps)  # per zone: reservations not yet passed
+            self._resv = list(wps)          # per zone: the offset the next reservation gets
+            self._turn = list(wps)          # per zone: the reservation that commits now
         self._nopen = sum(1 for c in conds if c in _OPEN)
         self._nactive = sum(1 for c in conds if c in _ACTIVE)
 
@@ -255,52 +265,155 @@ class ZonedDevice(ABC):
             self._nactive += (new in _ACTIVE) - (old in _ACTIVE)
             self._cond[zone] = new
 
+    #: True when writes to one zone may be issued in parallel at reserved offsets (an image
+    #: file: any offset can be written at any time).  A zoned disk takes a zone's writes
+    #: only at its write pointer, so there ``write_reserved`` issues them in order.
+    parallel_writes = False
+
+    @staticmethod
+    def _nbytes(data: Buffer) -> int:
+        t = type(data)
+        if t is bytes or t is bytearray:
+            return len(data)
+        if t is list or t is tuple:         # scatter list: written with one pwritev, no join
+            return sum(len(c) if type(c) is bytes else memoryview(c).nbytes for c in data)
+        return data.nbytes if t is memoryview else memoryview(data).nbytes  # numpy ...
+
     def write(self, zone: int, offset: int, data: Buffer) -> int:
         """Append ``data`` at the zone's write pointer; returns the byte count.
 
         ``offset`` must equal wp (no zone append); implicitly opens an EMPTY/CLOSED zone and
-        turns it FULL when wp reaches capacity.  The data is not copied here.
+        turns it FULL when wp reaches capacity.  The data is not copied here.  A zone with
+        reservations outstanding takes no plain write (its offset is not the next one).
         """
-        t = type(data)
-        if t is bytes or t is bytearray:
-            n = len(data)
-        elif t is list or t is tuple:       # scatter list: written with one pwritev, no join
-            n = sum(len(c) if type(c) is bytes else memoryview(c).nbytes for c in data)
-        else:                               # memoryview, array, numpy ...: count bytes
-            n = data.nbytes if t is memoryview else memoryview(data).nbytes
+        n = self._nbytes(data)
         with self._lock:
-            if not 0 <= zone < self.nr_zones:
-                raise _err(errno.EINVAL, f"zone {zone} out of range (0..{self.nr_zones - 1})")
-            cond = self._cond[zone]
-            if cond == _NOT_WP or cond > _CLOSED:
-                raise self._state_error(zone, cond, "write")
-            wp = self._wp[zone]
-            if offset != wp:
-                raise _err(errno.EINVAL,
-                           f"zone {zone}: write at offset {offset} is not at the write pointer {wp}")
-            if n % self.block_size:
-                raise _err(errno.EINVAL, f"zone {zone}: write length {n} is not a multiple "
-                                         f"of the block size {self.block_size}")
-            cap = self._cap[zone]
-            end = wp + n
-            if end > cap:
-                raise _err(errno.EINVAL, f"zone {zone}: write of {n} bytes at {wp} passes "
-                                         f"the zone capacity {cap}")
             if not n:
+                self._check_write(zone, offset, 0)
                 return 0
-            if cond == _EMPTY:
-                self._check_resources(zone, 1, 1)
-            elif cond == _CLOSED:
-                self._check_resources(zone, 0, 1)
-            self._io_write(zone, wp, data, n)
+            self._reserve_locked(zone, offset, n)
+        try:
+            self.write_reserved(zone, offset, data, n)
+            self.commit(zone, offset, n)
+        finally:
+            self.pass_turn(zone, offset, n)
+        return n
+
+    def _check_write(self, zone: int, offset: int, n: int) -> int:
+        if not 0 <= zone < self.nr_zones:
+            raise _err(errno.EINVAL, f"zone {zone} out of range (0..{self.nr_zones - 1})")
+        cond = self._cond[zone]
+        if cond == _NOT_WP or cond > _CLOSED:
+            raise self._state_error(zone, cond, "write")
+        if offset != self._resv[zone]:
+            raise _err(errno.EINVAL,
+                       f"zone {zone}: write at offset {offset} is not at the write pointer "
+                       f"{self._resv[zone]}")
+        if n % self.block_size:
+            raise _err(errno.EINVAL, f"zone {zone}: write length {n} is not a multiple "
+                                     f"of the block size {self.block_size}")
+        if offset + n > self._cap[zone]:
+            raise _err(errno.EINVAL, f"zone {zone}: write of {n} bytes at {offset} passes "
+                                     f"the zone capacity {self._cap[zone]}")
+        return cond
+
+    def _reserve_locked(self, zone: int, offset: int, n: int) -> None:
+        cond = self._check_write(zone, offset, n)
+        if cond == _EMPTY:
+            self._check_resources(zone, 1, 1)
+        elif cond == _CLOSED:
+            self._check_resources(zone, 0, 1)
+        if cond == _EMPTY or cond == _CLOSED:
+            self._set_cond(zone, _IMP_OPEN)     # the open resource is taken now
+        self._resv[zone] = offset + n
+        self._pending[zone] += 1
+
+    def reserve(self, zone: int, n: int) -> int:
+        """Claim the next ``n`` bytes of the zone for one write; returns their offset.
+
+        The write is then ``write_reserved`` (on an image: with no lock, in parallel with
+        the zone's other reservations), ``commit`` (in reservation order: the write pointer
+        moves over it), and ``pass_turn`` (always, in a ``finally``): what the caller
+        records in between is recorded in zone order.  The state checks are ``write``'s;
+        a zone with reservations outstanding is not finished, reset or closed before they
+        are passed."""
+        with self._lock:
+            off = self._resv[zone] if 0 <= zone < self.nr_zones else 0
+            self._reserve_locked(zone, off, n)
+            return off
+
+    def write_reserved(self, zone: int, offset: int, data: Buffer, n: int | None = None) -> int:
+        """Write a reservation's bytes (no lock where ``parallel_writes``; else in order)."""
+        if n is None:
+            n = self._nbytes(data)
+        if self.parallel_writes:
+            self._io_write(zone, offset, data, n)
+        else:
+            with self._cv:
+                while self._turn[zone] != offset:
+                    self._cv.wait()
+                self._io_write(zone, offset, data, n)
+        return n
+
+    def commit(self, zone: int, offset: int, n: int) -> None:
+        """Wait for the reservations before this one to pass their turn, then move the
+        write pointer over it (persisted; FULL at capacity).  The turn stays with the caller
+        until ``pass_turn``."""
+        with self._cv:
+            while self._turn[zone] != offset:
+                self._cv.wait()
+            if self._wp[zone] != offset:        # abandoned (``abandon``): finished past it
+                if self._wp[zone] < offset + n:
+                    raise _err(errno.EIO, f"zone {zone}: write at {offset} was abandoned")
+                return
+            end = offset + n
             self._wp[zone] = end
             self.bytes_written += n
-            if end == cap:
+            if end == self._cap[zone]:
                 self._set_cond(zone, _FULL)
-            elif cond == _EMPTY or cond == _CLOSED:
-                self._set_cond(zone, _IMP_OPEN)
             self._persist(zone)
-            return n
+
+    def pass_turn(self, zone: int, offset: int, n: int) -> None:
+        """Hand the zone's turn to the next reservation (also after a failed write)."""
+        with self._cv:
+            if self._turn[zone] == offset:
+                self._turn[zone] = offset + n
+            self._pending[zone] -= 1
+            self._cv.notify_all()
+
+    def abandon(self, zone: int, offset: int, n: int) -> None:
+        """A reserved write failed: in its turn, finish the zone (nothing more can be written
+        in order behind the hole); the reservations after it that wrote keep their bytes,
+        which are below the write pointer now."""
+        with self._cv:
+            while self._turn[zone] != offset:
+                self._cv.wait()
+            cond = self._cond[zone]
+            if cond != _FULL and cond in _ACTIVE:
+                try:
+                    self._io_mgmt(_OP_FINISH, zone)
+                except OSError:
+                    pass                          # the device's state is its own then
+                else:
+                    old = self._wp[zone]
+                    self._wp[zone] = self._cap[zone]
+                    self._set_cond(zone, _FULL)
+                    self._persist(zone)
+                    self._after_mgmt(_OP_FINISH, zone, old)
+            self._resv[zone] = max(self._resv[zone], self._wp[zone])
+
+    def pending(self, zone: int) -> int:
+        """Reservations of the zone not yet passed."""
+        return self._pending[zone]
+
+    def _drain_locked(self, zone: int) -> None:
+        """Wait (device lock held) until the zone's reservations are passed: a management
+        command never lands between a reservation and its commit."""
+        while self._pending[zone]:
+            self._cv.wait()
+
+    def _settle_locked(self, zone: int) -> None:
+        self._resv[zone] = self._turn[zone] = self._wp[zone]
 
     def read(self, zone: int, offset: int, length: int) -> bytes:
         """Read ``length`` bytes at ``offset`` within the zone; any range inside capacity.
@@ -336,9 +449,11 @@ class ZonedDevice(ABC):
                 raise self._state_error(zone, cond, "reset")
             if cond == _EMPTY:
                 return
+            self._drain_locked(zone)
             self._io_mgmt(_OP_RESET, zone)
             old_wp = self._wp[zone]
             self._wp[zone] = 0
+            self._settle_locked(zone)
             self._set_cond(zone, _EMPTY)
             self.resets += 1
             self._persist(zone)
@@ -358,9 +473,13 @@ class ZonedDevice(ABC):
                 return
             if cond == _NOT_WP or cond == _READONLY or cond == _OFFLINE:
                 raise self._state_error(zone, cond, "finish")
+            self._drain_locked(zone)
+            if self._cond[zone] == _FULL:
+                return
             self._io_mgmt(_OP_FINISH, zone)
             old_wp = self._wp[zone]
             self._wp[zone] = self._cap[zone]
+            self._settle_locked(zone)
             self._set_cond(zone, _FULL)
             self._persist(zone)
             self._after_mgmt(_OP_FINISH, zone, old_wp)
@@ -395,6 +514,7 @@ class ZonedDevice(ABC):
             return
         with self._lock:
             self._check_zone(zone)
+            self._drain_locked(zone)
             cond = self._cond[zone]
             if cond == _IMP_OPEN or cond == _EXP_OPEN:
                 self._io_mgmt(_OP_CLOSE, zone)
@@ -492,6 +612,7 @@ class _DirectIO:
         self.path = path
         self.align = align
         self._scratch: _iobuf.AlignedBuf | None = _iobuf.AlignedBuf(_DIO_CHUNK)
+        self._scratch_lock = threading.Lock()    # writes of an image may run in parallel
         self._tls = threading.local()
         self.zero_copy_write = True          # False after the kernel refused once
         global _BYTES_FILLER
@@ -522,7 +643,9 @@ class _DirectIO:
                     raise
                 self.zero_copy_write = False    # memory alignment refused: bounce from now on
         try:
-            w = _iobuf.gather_pwrite(self.fd, off, [data] if single else data, n, self._scratch)
+            with self._scratch_lock:
+                w = _iobuf.gather_pwrite(self.fd, off, [data] if single else data, n,
+                                         self._scratch)
         except OSError as e:
             raise _err(e.errno or errno.EIO, f"{self.path}: {e.strerror}") from None
         if w != n:
@@ -735,6 +858,7 @@ class ImageZonedDevice(ZonedDevice):
 
     _dio: "_DirectIO | None" = None
     _dfd = -1
+    parallel_writes = True      # a file takes writes anywhere, at any time
 
     def __init__(self, path: str | os.PathLike[str], direct: bool = False) -> None:
         self._fd = -1
@@ -1251,6 +1375,10 @@ class BlockZonedDevice(ZonedDevice):
             self._size[zone] = size
             self._cap[zone] = cap
             self._wp[zone] = wp
+            if not self._pending[zone]:
+                self._settle_locked(zone)
+            else:
+                self._resv[zone] = max(self._resv[zone], wp)
             self._set_cond(zone, cond)
 
     # -- hooks -------------------------------------------------------------------------

@@ -59,9 +59,9 @@ class StoreCollector:
             yield c
         for name, key, doc in (
                 ("retainzfs_data_write_seconds", "data_write_seconds",
-                 "Seconds in the zone write loop (io_lock held), data and GC copies"),
+                 "Seconds the write loop held io_lock to place and reserve data"),
                 ("retainzfs_device_write_seconds", "device_write_seconds",
-                 "Seconds of those in the device writes")):
+                 "Seconds in data device writes, summed over the threads writing")):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(st[key]))
             yield c

@@ -21,7 +21,7 @@ from .errors import FsError
 
 log = logging.getLogger("retainzfs")
 
-FLUSH_WORKERS = 2
+FLUSH_WORKERS = 4
 
 
 class OpenFiles:
@@ -244,22 +244,24 @@ class OpenFiles:
                 staged = None                 # written from the scatter list instead
             if prev is not None:
                 prev.wait()
-            with s.io_lock:
-                with s.lock:
-                    inode = s.inodes.get(ino)
-                    if (inode is None or inode.wbuf is not wb or inode.flush_epoch != epoch
-                            or wb.off != off):
-                        done = True           # dropped meanwhile: nothing of ours to write
-                        return
-                s.data.write_iolocked(ino, off, data, hint, staged=staged)
-                done = True
-                with s.lock:
-                    inode = s.inodes.get(ino)
-                    if inode is not None and inode.wbuf is wb:
-                        inode.inflight = max(0, inode.inflight - n)
-                        if wb.off == off:
-                            wb.drop(n)
-                s.maybe_flush_journal_iolocked()
+            with s.lock:
+                inode = s.inodes.get(ino)
+                if (inode is None or inode.wbuf is not wb or inode.flush_epoch != epoch
+                        or wb.off != off):
+                    done = True               # dropped meanwhile: nothing of ours to write
+                    return
+            # io_lock only to place: the device write runs in parallel with other flushes
+            s.data.write(ino, off, data, hint, staged=staged)
+            done = True
+            with s.lock:
+                inode = s.inodes.get(ino)
+                if inode is not None and inode.wbuf is wb:
+                    inode.inflight = max(0, inode.inflight - n)
+                    if wb.off == off:
+                        wb.drop(n)
+            if s._want_journal_flush:
+                with s.io_lock:
+                    s.maybe_flush_journal_iolocked()
         except BaseException:
             if not done:          # drop the uncommittable bytes; committed data stay intact
                 with s.lock:

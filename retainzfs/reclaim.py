@@ -18,7 +18,7 @@ files never wait for it; a GC victim's reset runs inside the writer's own placem
 waiting for that space anyway.
 
 GC picks victims from the allocator's summaries and moves their live extents through the data
-path's write loop (``DataPath.write_iolocked`` with ``copy_from``).  A victim must free at least
+path's write loop (``DataPath.write`` with ``copy_from``).  A victim must free at least
 ``GC_MIN_GAIN`` of a zone beyond its copies: on a device full of nearly-live zones (a few KiB of
 padding dead in each) a pass would copy a whole zone to free a few KiB, the writer would use
 them at once, and GC would run without end instead of the writer getting ENOSPC.
@@ -120,6 +120,12 @@ class Reclaim:
             zones = [z for z in zones if alloc.summary(z)["L"] <= 0
                      and alloc.summary(z)["W"] > 0 and self.resettable_locked(z)
                      and z not in self.resetting]
+            # a write reserved in the zone has not noted its bytes yet: later (its flush
+            # calls ``reset_empty_zones`` when done).  No new one: reservations need io_lock.
+            busy = [z for z in zones if s.dev.pending(z)]
+            if busy:
+                self.pending.update(busy)
+                zones = [z for z in zones if not s.dev.pending(z)]
             for z in zones:
                 self.note_reset_locked(z)
             self.resetting.update(zones)
@@ -149,7 +155,7 @@ class Reclaim:
         with s.lock:
             victims = [z for z in s.alloc.victims(8, self.resetting)
                        if self.gain_locked(z) >= self.min_gain and z not in s.bad_zones
-                       and z not in self.resetting]
+                       and z not in self.resetting and not s.dev.pending(z)]
         for victim in victims:
             with s.lock:
                 groups = self.copy_groups_locked(victim)
@@ -183,7 +189,7 @@ class Reclaim:
                     # verified before it is written elsewhere: GC never launders bad bytes
                     data = Chunks([s.data.verified_read(victim, vz, ln, ino, off)
                                    for off, ln, vz in batch])
-                    s.data.write_iolocked(ino, batch[0][0], data,
+                    s.data.write(ino, batch[0][0], data,
                                           H.Hint(ih.birth, hint, ih.stream, "gc"),
                                           copy_from=(victim, batch))
                 except FsError as e:

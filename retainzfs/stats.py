@@ -149,8 +149,8 @@ class StoreStats:
                 "format_version": s.sb.version,
                 "tuning": dict(s.tuning),
                 "readahead": {"hits": s.data.ra.hits, "bytes": s.data.ra.prefetched},
-                # where io_lock goes: seconds in the write loop (data and GC copies, io_lock
-                # held) and, of those, in the device writes themselves
+                # seconds the write loop held io_lock (placing and reserving) and seconds in
+                # the device writes, which run outside it (summed over threads)
                 "data_write_seconds": round(st["data_write_s"], 6),
                 "device_write_seconds": round(st["device_write_s"], 6),
                 "daemon": daemon,

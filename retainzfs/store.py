@@ -313,16 +313,20 @@ class Store:
             plan = self.journal.prepare()
             if plan is None and not sync:
                 return
+            g = self._wgen       # data writes completed before the frame (and its flush)
         self.journal.commit(plan, sync=sync)
         # Counted only once written: a device flush on another thread (an fsync of another
         # file, a reset, the periodic sync: none holds io_lock) that read the count before
         # the frame was written must not pass for a flush of it.  Counting it first let an
         # fsync return with its INODE/EXTENT records still in the page cache (a power-cut
-        # campaign lost an fsynced shard that way).  No other thread moves the count while
-        # io_lock is held, so with ``sync`` the flush just made covers exactly this many.
-        self._wgen += plan is not None
-        if sync:
-            self._sgen = max(self._sgen, self._wgen)
+        # campaign lost an fsynced shard that way).  Data writes complete outside io_lock
+        # (``DataPath.write``), so a sync claims only what was counted before it began: a
+        # write counted since leaves ``_wgen`` ahead and the next durable commit flushes.
+        # Both counts move under Store.lock (a lost increment would pass for a flush).
+        with self.lock:
+            self._wgen += plan is not None
+            if sync:
+                self._sgen = max(self._sgen, g + (plan is not None))
 
     def device_flush(self) -> None:
         """Flush the device; written data and journal frames before it are durable after it
@@ -330,7 +334,8 @@ class Store:
         once they completed, so what it says before the flush, the flush covers."""
         g = self._wgen
         self.dev.flush()
-        self._sgen = max(self._sgen, g)
+        with self.lock:
+            self._sgen = max(self._sgen, g)
 
     def _flush_durably(self) -> None:
         """Data, then the journal records that point at them, made durable in that order.

@@ -1126,3 +1126,110 @@ def test_block_mgmt_and_limits(emu):
     assert emu.report() == emu.zones()
     assert emu.active_count() == 1 and emu.open_count() == 1
     emu.flush()
+
+
+# ---------------------------------------------------------------- reservations (parallel writes)
+
+def _reserved_write(dev, zone, off, data, order_log=None):
+    """The writer's side of a reservation: write, commit in turn, pass the turn."""
+    try:
+        dev.write_reserved(zone, off, data)
+        dev.commit(zone, off, len(data))
+        if order_log is not None:
+            order_log.append(off)
+    finally:
+        dev.pass_turn(zone, off, len(data))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=6), perm=st.randoms())
+def test_reserved_writes_land_in_order_whatever_order_they_finish(img, sizes, perm):
+    """Reservations of one zone written by threads finishing in any order: each commits in
+    its turn (the order of ``order_log``), the write pointer only ever covers written bytes,
+    and the zone holds the bytes in reservation order, also after a reopen."""
+    import threading
+    zone = 3
+    img.reset(zone)
+    sizes = sizes[:]
+    while sum(sizes) > 12:                   # capacity 48 KiB = 12 blocks
+        sizes.pop()
+    datas = [blk(n, 0x10 + i) for i, n in enumerate(sizes)]
+    order = list(range(len(datas)))
+    perm.shuffle(order)                      # drawn first: hypothesis may end an example here
+    offs = [img.reserve(zone, len(d)) for d in datas]
+    assert offs == [sum(len(d) for d in datas[:i]) for i in range(len(datas))]
+    assert img.zone(zone).wp == 0 and img.pending(zone) == len(datas)
+    with pytest.raises(OSError):             # a plain write is not at the next offset
+        img.write(zone, 0, blk(1))
+    log = []
+    threads = [threading.Thread(target=_reserved_write, args=(img, zone, offs[i], datas[i], log))
+               for i in order]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert log == offs and img.pending(zone) == 0
+    total = sum(len(d) for d in datas)
+    assert img.zone(zone).wp == total
+    assert img.read(zone, 0, total) == b"".join(datas)
+    path = img.path
+    img.close()
+    again = ImageZonedDevice(path)
+    try:
+        assert again.zone(zone).wp == total and again.read(zone, 0, total) == b"".join(datas)
+    finally:
+        again.close()
+    img.__init__(path)                        # the fixture closes it
+
+
+def test_management_commands_wait_for_reservations(img):
+    """A finish (reset, close) of a zone with a reservation outstanding waits until it is
+    passed: it never lands between a write and its commit."""
+    import threading
+    import time
+    off = img.reserve(2, 2 * BS)
+    done = []
+    t = threading.Thread(target=lambda: (img.finish(2), done.append(img.zone(2).wp)))
+    t.start()
+    time.sleep(0.2)
+    assert not done and img.zone(2).cond == ZoneCond.IMP_OPEN
+    _reserved_write(img, 2, off, blk(2))
+    t.join(5)
+    assert done == [48 * KiB] and img.zone(2).cond == ZoneCond.FULL
+    assert img.read(2, 0, 2 * BS) == blk(2)
+
+
+def test_a_failed_reserved_write_finishes_the_zone_and_keeps_the_later_ones(img):
+    """The write of the first of two reservations fails: in its turn the zone is finished
+    behind the hole; the second one's bytes (written) are below the write pointer and its
+    commit succeeds; nothing more can be written there."""
+    a = img.reserve(4, BS)
+    b = img.reserve(4, 2 * BS)
+    img.write_reserved(4, b, blk(2, 0x22))
+    import threading
+    t = threading.Thread(target=_reserved_write, args=(img, 4, b, blk(2, 0x22)))
+    t.start()                                 # waits for a's turn
+    try:
+        img.abandon(4, a, BS)                 # a's write failed
+    finally:
+        img.pass_turn(4, a, BS)
+    t.join(5)
+    assert not t.is_alive() and img.pending(4) == 0
+    z = img.zone(4)
+    assert z.cond == ZoneCond.FULL and z.wp == 48 * KiB
+    assert img.read(4, b, 2 * BS) == blk(2, 0x22)
+    with pytest.raises(OSError):
+        img.reserve(4, BS)
+
+
+def test_reservations_count_against_the_open_limit(img):
+    """A reservation opens its zone at once (max_open 2 here): a third zone is refused
+    before any byte is written, as a write would be."""
+    img.reserve(0, BS)
+    img.reserve(1, BS)
+    with pytest.raises(OSError) as ei:
+        img.reserve(5, BS)
+    assert errno_of(ei) == errno.ETOOMANYREFS
+    for z in (0, 1):
+        _reserved_write(img, z, 0, blk(1))
+    assert img.zone(0).wp == img.zone(1).wp == BS
