@@ -436,6 +436,7 @@ class DataPath:
                     if pad:
                         s.alloc.note_write(zone, pad, reclaim, False)
                     stats["data_write_s"] += perf_counter() - t_lock
+            done = False                  # the turn passed (or the reservation taken back)
             try:
                 if staged is not None and pos == 0 and nbytes == len(staged.buf):
                     chunk, crcs = staged.buf, staged.crcs     # one run: as staged
@@ -466,23 +467,30 @@ class DataPath:
                         self._relocate_locked(ino, copy_from, pos, payload, zone, zg, zoff,
                                               reclaim)
             except BaseException:
-                self._abandon(zone, zoff, payload, reclaim)
+                done = dev.cancel(zone, zoff, nbytes)     # taken back: no turn to pass
+                self._failed(zone, zoff, nbytes, payload, reclaim, done)
                 raise
             finally:
-                dev.pass_turn(zone, zoff, nbytes)
+                if not done:
+                    dev.pass_turn(zone, zoff, nbytes)
             pos += payload
 
-    def _abandon(self, zone: int, zoff: int, payload: int, reclaim) -> None:
-        """A reserved write failed (in its turn): the zone is finished behind the hole (the
-        reservations after it keep what they wrote) and the payload noted live at the
-        reservation counted dead."""
+    def _failed(self, zone: int, zoff: int, nbytes: int, payload: int, reclaim,
+                taken_back: bool) -> None:
+        """A reserved write failed.  Usually no reservation came after it and it was taken
+        back (``ZonedDevice.cancel``: the zone's next write goes there again).  Otherwise
+        the zone is finished behind the hole, in its turn (``abandon``: the reservations
+        after it keep what they wrote).  Either way the payload noted live with the
+        placement is counted dead."""
         s = self.s
-        try:
-            s.dev.abandon(zone, zoff, payload)
-        except Exception:
-            log.exception("zone %d: finishing it after a failed write", zone)
+        if not taken_back:
+            try:
+                s.dev.abandon(zone, zoff, nbytes)
+            except Exception:
+                log.exception("zone %d: finishing it after a failed write", zone)
         with s.lock:
             s.reclaim.dead_locked([(zone, payload, reclaim)])
-            s.alloc.note_finish(zone)
-            s.stats["zone_finishes"] += 1
-            s.do_locked(R.ZONE_FINISH, R.pack_zone(zone))
+            if not taken_back:
+                s.alloc.note_finish(zone)
+                s.stats["zone_finishes"] += 1
+                s.do_locked(R.ZONE_FINISH, R.pack_zone(zone))

@@ -292,11 +292,18 @@ class ZonedDevice(ABC):
                 self._check_write(zone, offset, 0)
                 return 0
             self._reserve_locked(zone, offset, n)
+        done = False                        # committed, or taken back (``cancel``)
         try:
             self.write_reserved(zone, offset, data, n)
             self.commit(zone, offset, n)
+        except BaseException:
+            done = self.cancel(zone, offset, n)   # the zone stays as it was (a retry works)
+            if not done:
+                self.abandon(zone, offset, n)
+            raise
         finally:
-            self.pass_turn(zone, offset, n)
+            if not done:
+                self.pass_turn(zone, offset, n)
         return n
 
     def _check_write(self, zone: int, offset: int, n: int) -> int:
@@ -401,6 +408,21 @@ class ZonedDevice(ABC):
                     self._persist(zone)
                     self._after_mgmt(_OP_FINISH, zone, old)
             self._resv[zone] = max(self._resv[zone], self._wp[zone])
+
+    def cancel(self, zone: int, offset: int, n: int) -> bool:
+        """Take back a reservation whose write failed, when no reservation came after it
+        (the usual case): the zone's next write goes to ``offset`` again, as if this one had
+        not been made, and it needs no ``pass_turn``.  False when another reservation follows
+        it (then ``abandon`` and ``pass_turn``)."""
+        with self._cv:
+            if self._resv[zone] != offset + n:
+                return False
+            self._resv[zone] = max(offset, self._wp[zone])
+            self._pending[zone] -= 1
+            if not self._pending[zone]:
+                self._settle_locked(zone)
+            self._cv.notify_all()
+            return True
 
     def pending(self, zone: int) -> int:
         """Reservations of the zone not yet passed."""

@@ -1233,3 +1233,28 @@ def test_reservations_count_against_the_open_limit(img):
     for z in (0, 1):
         _reserved_write(img, z, 0, blk(1))
     assert img.zone(0).wp == img.zone(1).wp == BS
+
+
+def test_a_failed_write_is_taken_back_and_the_zone_takes_the_retry(img, monkeypatch):
+    """A plain write (or the last reservation) whose I/O fails leaves the zone as it was:
+    same write pointer, no reservation pending, and a retry at the same offset works (the
+    journal retries its frames so).  With a reservation after it, it cannot be taken back."""
+    real = type(img)._io_write
+    fail = [True]
+
+    def flaky(self, zone, wp, data, n):
+        if fail[0]:
+            raise OSError(errno.EIO, "injected")
+        return real(self, zone, wp, data, n)
+    monkeypatch.setattr(type(img), "_io_write", flaky)
+    with pytest.raises(OSError):
+        img.write(6, 0, blk(2))
+    assert img.zone(6).wp == 0 and img.pending(6) == 0
+    fail[0] = False
+    assert img.write(6, 0, blk(2)) == 2 * BS and img.zone(6).wp == 2 * BS
+    a = img.reserve(6, BS)
+    b = img.reserve(6, BS)
+    assert not img.cancel(6, a, BS)               # b came after it
+    assert img.cancel(6, b, BS)                   # the last one can go
+    _reserved_write(img, 6, a, blk(1, 0x33))
+    assert img.zone(6).wp == 3 * BS and img.pending(6) == 0

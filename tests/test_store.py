@@ -10,7 +10,7 @@ import pytest
 
 from retainzfs import _journal as J
 from retainzfs import hints as H
-from retainzfs.device import create_image, open_device
+from retainzfs.device import ZoneCond, create_image, open_device
 from retainzfs.store import FsError, Store, StoreOptions
 from retainzfs.superblock import FormatError
 
@@ -836,6 +836,44 @@ def test_parallel_zone_writes_with_deletes_resets_and_gc_keep_every_byte(tmp_pat
         assert s.check() == []
         for name, data in keep.items():
             assert read_all(s, s.lookup(1, name).ino) == data, name
+    finally:
+        s.close()
+        dev.close()
+
+
+def test_a_failed_data_write_leaves_the_zone_writable_and_loses_nothing_committed(tmp_path):
+    """A flush whose device write fails reports the error to the writer (fsync/close) and
+    takes its reservation back: the zone is not finished, the next file is written there
+    at the same offset, and the file committed before is intact after a remount."""
+    path, dev, s = fresh(tmp_path)
+    first = os.urandom(300_000)
+    a = put(s, 1, b"a", first)
+    zone = s.inodes[a].extents.lookup(0, 1)[0][1]
+    wp = dev.zone(zone).wp
+    real = dev.write_reserved
+
+    def broken(z, *args, **kw):               # data zones only: the journal still writes
+        if z >= s.sb.meta_zones:
+            raise OSError(errno.EIO, "injected")
+        return real(z, *args, **kw)
+    dev.write_reserved = broken
+    ino = s.create(1, b"b", 0o644).ino
+    s.open(ino)
+    s.write(ino, 0, os.urandom(200_000))
+    with pytest.raises(OSError):
+        s.commit(ino, durable=True)
+    s.release(ino)
+    dev.write_reserved = real
+    assert dev.zone(zone).wp == wp and dev.pending(zone) == 0
+    assert dev.zone(zone).cond != ZoneCond.FULL and s.status()["zone_finishes"] == 0
+    second = os.urandom(100_000)
+    c = put(s, 1, b"c", second)
+    assert read_all(s, c) == second
+    dev, s = reopen(path, dev, s)
+    try:
+        assert read_all(s, s.lookup(1, b"a").ino) == first
+        assert read_all(s, s.lookup(1, b"c").ino) == second
+        assert s.check() == []
     finally:
         s.close()
         dev.close()
