@@ -10,10 +10,10 @@ retainzfs the daemon's CPU seconds per GiB moved and its peak RSS.
 
     python3 scripts/bench_dcp.py                    # 200 MiB, thread_count 1 and 4, 2 rounds
     python3 scripts/bench_dcp.py --size 512M --rounds 3 --json
+    python3 scripts/bench_dcp.py -o readahead_kb=8192     # a mount option on the retainzfs side
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from benchutil import cpu_seconds, daemon_pid, drop_caches, peak_rss
+from benchutil import bench_parser, cpu_seconds, daemon_pid, drop_caches, peak_rss
 
 MiB = 1 << 20
 TARGET = 1.1
@@ -62,12 +62,9 @@ def one_round(root: str, state: dict, threads: int, pid: int | None) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", default="200M")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap = bench_parser(__doc__)            # --size --rounds --workdir --json -o, as bench_io
+    ap.set_defaults(size="200M")
     ap.add_argument("--threads", default="1,4", help="FileSystemWriter thread_count values")
-    ap.add_argument("--workdir", default="/var/tmp")
-    ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     import warnings
     warnings.filterwarnings("ignore")
@@ -92,7 +89,8 @@ def main() -> int:
                     continue
                 subprocess.run(["mkfs.retainzfs", "-q", "--force", "--size",
                                 str(max(2 << 30, 6 * size)), "--zone-size", "64M", img], check=True)
-                subprocess.run(["mount.retainzfs", img, mnt], check=True)
+                subprocess.run(["mount.retainzfs", img, mnt]
+                               + (["-o", a.options] if a.options else []), check=True)
                 pid = daemon_pid(img)
                 try:
                     for t in threads:
