@@ -467,27 +467,18 @@ class DataPath:
                         self._relocate_locked(ino, copy_from, pos, payload, zone, zg, zoff,
                                               reclaim)
             except BaseException:
-                done = dev.cancel(zone, zoff, nbytes)     # taken back: no turn to pass
-                self._failed(zone, zoff, nbytes, payload, reclaim, done)
+                done = dev.failed(zone, zoff, nbytes)     # taken back: no turn to pass
+                self._note_failed(zone, payload, reclaim, done)
                 raise
             finally:
                 if not done:
                     dev.pass_turn(zone, zoff, nbytes)
             pos += payload
 
-    def _failed(self, zone: int, zoff: int, nbytes: int, payload: int, reclaim,
-                taken_back: bool) -> None:
-        """A reserved write failed.  Usually no reservation came after it and it was taken
-        back (``ZonedDevice.cancel``: the zone's next write goes there again).  Otherwise
-        the zone is finished behind the hole, in its turn (``abandon``: the reservations
-        after it keep what they wrote).  Either way the payload noted live with the
-        placement is counted dead."""
+    def _note_failed(self, zone: int, payload: int, reclaim, taken_back: bool) -> None:
+        """After ``ZonedDevice.failed``: the payload noted live with the placement is dead,
+        and a zone the device finished behind the failed write is finished here too."""
         s = self.s
-        if not taken_back:
-            try:
-                s.dev.abandon(zone, zoff, nbytes)
-            except Exception:
-                log.exception("zone %d: finishing it after a failed write", zone)
         with s.lock:
             s.reclaim.dead_locked([(zone, payload, reclaim)])
             if not taken_back:

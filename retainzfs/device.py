@@ -297,9 +297,7 @@ class ZonedDevice(ABC):
             self.write_reserved(zone, offset, data, n)
             self.commit(zone, offset, n)
         except BaseException:
-            done = self.cancel(zone, offset, n)   # the zone stays as it was (a retry works)
-            if not done:
-                self.abandon(zone, offset, n)
+            done = self.failed(zone, offset, n)   # usually: as it was (a retry works)
             raise
         finally:
             if not done:
@@ -408,6 +406,15 @@ class ZonedDevice(ABC):
                     self._persist(zone)
                     self._after_mgmt(_OP_FINISH, zone, old)
             self._resv[zone] = max(self._resv[zone], self._wp[zone])
+
+    def failed(self, zone: int, offset: int, n: int) -> bool:
+        """A reservation's write (or commit) failed: ``cancel`` it when it is the zone's last
+        reservation, else ``abandon`` the zone behind it.  True when it was taken back (no
+        turn to pass); False when the caller must still ``pass_turn``."""
+        if self.cancel(zone, offset, n):
+            return True
+        self.abandon(zone, offset, n)
+        return False
 
     def cancel(self, zone: int, offset: int, n: int) -> bool:
         """Take back a reservation whose write failed, when no reservation came after it

@@ -120,12 +120,11 @@ class Reclaim:
             zones = [z for z in zones if alloc.summary(z)["L"] <= 0
                      and alloc.summary(z)["W"] > 0 and self.resettable_locked(z)
                      and z not in self.resetting]
-            # a write reserved in the zone has not noted its bytes yet: later (its flush
-            # calls ``reset_empty_zones`` when done).  No new one: reservations need io_lock.
-            busy = [z for z in zones if s.dev.pending(z)]
-            if busy:
-                self.pending.update(busy)
-                zones = [z for z in zones if not s.dev.pending(z)]
+            # a zone with a write reserved and not yet committed: later (its flush calls
+            # ``reset_empty_zones`` when done).  No new one: reservations need io_lock.
+            busy = {z for z in zones if s.dev.pending(z)}
+            self.pending |= busy
+            zones = [z for z in zones if z not in busy]
             for z in zones:
                 self.note_reset_locked(z)
             self.resetting.update(zones)
@@ -190,8 +189,8 @@ class Reclaim:
                     data = Chunks([s.data.verified_read(victim, vz, ln, ino, off)
                                    for off, ln, vz in batch])
                     s.data.write(ino, batch[0][0], data,
-                                          H.Hint(ih.birth, hint, ih.stream, "gc"),
-                                          copy_from=(victim, batch))
+                                 H.Hint(ih.birth, hint, ih.stream, "gc"),
+                                 copy_from=(victim, batch))
                 except FsError as e:
                     # no room for the copy (the reserve is full too) or a checksum error: the
                     # victim stays as it is, counted and logged, never a user's ENOSPC

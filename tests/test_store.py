@@ -49,6 +49,24 @@ def read_all(store, ino):
     return store.read(ino, 0, store.getattr(ino).size)
 
 
+def run_threads(fn, n: int) -> list:
+    """``fn(k)`` for k in 0..n-1 on n threads at once; the exceptions they raised."""
+    import threading
+    errors = []
+
+    def one(k):
+        try:
+            fn(k)
+        except Exception as e:                  # pragma: no cover - reported by the caller
+            errors.append(e)
+    ts = [threading.Thread(target=one, args=(k,)) for k in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return errors
+
+
 def test_roundtrip_and_journal_roll(tmp_path):
     path, dev, s = fresh(tmp_path)
     files = {}
@@ -600,41 +618,31 @@ def test_two_flushers_and_interleaved_writers_of_one_file_keep_every_byte(tmp_pa
     write there finds the other's buffer non-contiguous and flushes it (``flush_data(final)``)
     while up to two background flushes of that file may be staging or writing: each must take
     its own bytes and write them in turn.  Every byte must be right after a remount."""
-    import threading
     path, dev, s = fresh(tmp_path, size=256 * MiB, zone=4 * MiB, flush_bytes=MiB)
     piece = MiB - 48
     shared = s.create(1, b"shared", 0o644).ino
     s.open(shared)
     want = {}
-    errors = []
 
     def writer(k):
-        try:
-            rnd = random.Random(k)
-            ino = s.create(1, f"own{k}".encode(), 0o644).ino
-            s.open(ino)
-            own = rnd.randbytes(12 * MiB + k * 4097)
-            half = rnd.randbytes(6 * MiB + 4095) if k < 2 else b""
-            base = k * 32 * MiB
-            for i in range(0, max(len(own), len(half)), piece):
-                if i < len(own):
-                    s.write(ino, i, own[i:i + piece])
-                if i < len(half):
-                    s.write(shared, base + i, half[i:i + piece])
-            s.commit(ino, durable=True)
-            s.release(ino)
-            want[ino] = own
-            if half:
-                want[(shared, base)] = half
-        except Exception as e:                  # pragma: no cover - reported below
-            errors.append(e)
+        rnd = random.Random(k)
+        ino = s.create(1, f"own{k}".encode(), 0o644).ino
+        s.open(ino)
+        own = rnd.randbytes(12 * MiB + k * 4097)
+        half = rnd.randbytes(6 * MiB + 4095) if k < 2 else b""
+        base = k * 32 * MiB
+        for i in range(0, max(len(own), len(half)), piece):
+            if i < len(own):
+                s.write(ino, i, own[i:i + piece])
+            if i < len(half):
+                s.write(shared, base + i, half[i:i + piece])
+        s.commit(ino, durable=True)
+        s.release(ino)
+        want[ino] = own
+        if half:
+            want[(shared, base)] = half
 
-    ts = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not errors
+    assert not run_threads(writer, 4)
     s.commit(shared, durable=True)
     s.release(shared)
     dev, s = reopen(path, dev, s)
@@ -793,36 +801,28 @@ def test_parallel_zone_writes_with_deletes_resets_and_gc_keep_every_byte(tmp_pat
                 inflight[0] -= 1
     dev.write_reserved = counted
     keep: dict[bytes, bytes] = {}
-    errors = []
 
     def saver(k):
-        try:
-            rnd = random.Random(k)
-            mine = []
-            for i in range(14):
-                name = f"t{k}-{i}".encode()
-                data = rnd.randbytes(rnd.randrange(100_000, 900_000))
-                ino = s.create(1, name, 0o644).ino
-                s.setxattr(ino, b"user.retainz.reclaim", b"3")
-                s.open(ino)
-                for off in range(0, len(data), 131_000):
-                    s.write(ino, off, data[off:off + 131_000])
-                s.commit(ino, durable=i % 3 == 0)
-                s.release(ino)
-                mine.append((name, data))
-                if len(mine) > 3:                 # keep the three newest
-                    old, _ = mine.pop(0)
-                    s.unlink(1, old)
-            for name, data in mine:
-                keep[name] = data
-        except Exception as e:                  # pragma: no cover - reported below
-            errors.append(e)
+        rnd = random.Random(k)
+        mine = []
+        for i in range(14):
+            name = f"t{k}-{i}".encode()
+            data = rnd.randbytes(rnd.randrange(100_000, 900_000))
+            ino = s.create(1, name, 0o644).ino
+            s.setxattr(ino, b"user.retainz.reclaim", b"3")
+            s.open(ino)
+            for off in range(0, len(data), 131_000):
+                s.write(ino, off, data[off:off + 131_000])
+            s.commit(ino, durable=i % 3 == 0)
+            s.release(ino)
+            mine.append((name, data))
+            if len(mine) > 3:                     # keep the three newest
+                old, _ = mine.pop(0)
+                s.unlink(1, old)
+        for name, data in mine:
+            keep[name] = data
 
-    ts = [threading.Thread(target=saver, args=(k,)) for k in range(6)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    errors = run_threads(saver, 6)
     assert not errors, errors
     assert peak[0] >= 2, "the device writes never overlapped"
     st = s.status()
