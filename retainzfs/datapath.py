@@ -1,15 +1,15 @@
-"""The data path: where bytes go in zones and how they come back.
+"""The data path: where bytes go in zones.
 
 Owns placement (the allocator calls, the save-size accounting of ``declare_save``), the open-zone
-budget (``Store.open_lru``), THE write loop (``write``: place, pad, open slot, reserve, write,
-checksum, note, journal) used by file data and GC copies alike, and verified reads (checksums,
-zones out of service, the in-flight reader count a reset waits for).
+budget (``Store.open_lru``) and THE write loop (``write``: place, pad, open slot, reserve, write,
+checksum, note, journal) used by file data and GC copies alike.  How bytes come back (verified
+reads, readahead) is ``readpath.py``'s.
 
 Locks: ``_iolocked`` methods run with ``Store.io_lock`` held (they place data and move write
 pointers) and take ``Store.lock`` for the CPU-only bookkeeping; ``_locked`` methods run with
 ``Store.lock`` held.  File data are written with io_lock held only to place and reserve
 (``write``): the device writes of several flushes run in parallel.  Reads take ``Store.lock``
-only to look up extents and checksums.
+only to look up extents and checksums (``readpath.py``).
 """
 from __future__ import annotations
 
@@ -21,11 +21,10 @@ from time import perf_counter
 from . import hints as H
 from . import records as R
 from ._alloc import NoSpace
-from ._iobuf import assemble, gather_crc
-from .csums import CSUM_PIECE, ZoneChecksums, crcs_of
+from ._iobuf import gather_crc
+from .csums import CSUM_PIECE, crcs_of
 from .device import ZoneCond
-from .errors import FsError, StaleRead
-from .readahead import ReadAhead
+from .errors import FsError
 from .writebuf import Chunks
 
 Buffer = bytes | bytearray | memoryview
@@ -55,154 +54,6 @@ class DataPath:
         self.saves: dict[tuple[int, int], list[int]] = {}
         self.save_key: dict[int, tuple[int, int]] = {}    # stream -> its current generation
         self.save_est: dict[int, int] = {}               # stream -> previous generation's size
-        self.ra = ReadAhead(self)
-
-    # ------------------------------------------------------------------ reads
-    def read(self, ino: int, off: int, size: int, view: bool = False) -> Buffer:
-        """Bytes of a file; with ``view`` any buffer (the FUSE reply: on the O_DIRECT path the
-        device's own read buffer, no copy), else ``bytes``.
-
-        Lock-free against resets (a seqlock on the zone generations): the extents' zones and
-        their generations are taken under ``Store.lock``, the device is read with no lock, and
-        the read is done again from the lookup if a zone's generation moved meanwhile (a reset
-        began: what was read may be the zone's next contents).  So a reset never waits for
-        readers and readers never wait for a reset."""
-        s = self.s
-        ra = self.ra
-        while True:
-            for attempt in (0, 1):
-                with s.lock:
-                    inode = s.ns.get_locked(ino)
-                    if off >= inode.size or size <= 0:
-                        return b""
-                    size = min(size, inode.size - off)
-                    segs = inode.extents.lookup(off, size)
-                    overlay = None
-                    if inode.has_buffered():
-                        bo, bl = inode.wbuf.off, len(inode.wbuf)
-                        lo, hi = max(bo, off), min(bo + bl, off + size)
-                        if hi > lo:
-                            overlay = (lo - off, inode.wbuf.slice(lo, hi))
-                    else:
-                        hit = ra.hit_locked(ino, off, size, segs)
-                        if hit is not None:
-                            return hit if view else bytes(hit)
-                    fut = ra.pending_for(ino, off, size) if attempt == 0 else None
-                    if fut is None:
-                        gens = self.gens_locked(segs)
-                        break
-                fut.result()              # a window being read covers it: wait, look again
-            ra.note_miss(ino, off, size)
-            try:
-                if len(segs) == 1 and segs[0][0] == 0 and segs[0][3] == size and overlay is None:
-                    data = self.verified_read(segs[0][1], segs[0][2], size, ino, off, gens)
-                    out = data if view or type(data) is bytes else bytes(data)
-                else:
-                    parts = [(dst, self.verified_read(zone, zoff, length, ino, off + dst, gens))
-                             for dst, zone, zoff, length in segs]
-                    if overlay is not None:
-                        parts.append(overlay)      # buffered bytes over the zones'
-                    out = assemble(parts, size)    # holes read as zeros
-            except StaleRead:
-                continue
-            if not self.gens_hold(gens):
-                continue
-            return out if view or type(out) is bytes else bytes(out)
-
-    def gens_locked(self, segs) -> dict[int, int]:
-        """The generations of the zones under ``segs`` (lookup results), for ``gens_hold``."""
-        zgen = self.s.zgen
-        return {seg[1]: zgen[seg[1]] for seg in segs}
-
-    def gens_hold(self, gens: dict[int, int]) -> bool:
-        """No zone of ``gens`` began a reset since they were taken: bytes read from them are
-        the bytes the lookup meant (a reset moves the generation on before it destroys)."""
-        s = self.s
-        with s.lock:
-            zgen = s.zgen
-            return all(zgen[z] == g for z, g in gens.items())
-
-    def read_cached(self, ino: int, off: int, size: int) -> Buffer | None:
-        """A read answered from the readahead windows (CPU only), or None: then ``read``."""
-        s = self.s
-        with s.lock:
-            inode = s.inodes.get(ino)
-            if inode is None or off >= inode.size or size <= 0 or inode.has_buffered():
-                return None
-            size = min(size, inode.size - off)
-            return self.ra.hit_locked(ino, off, size, inode.extents.lookup(off, size))
-
-    def read_all_locked(self, inode) -> bytes:
-        """All of a (small) file: committed extents and buffered bytes (lock held)."""
-        assert self.s.lock._is_owned(), "read_all_locked without Store.lock"
-        out = bytearray(inode.size)
-        for dst, zone, zoff, length in inode.extents.lookup(0, inode.size):
-            out[dst:dst + length] = self.verified_read(zone, zoff, length, inode.ino, dst)
-        if inode.wbuf:
-            o = inode.wbuf.off
-            out[o:o + len(inode.wbuf)] = inode.wbuf.slice(o, inode.wbuf.end)
-        return bytes(out[:inode.size])
-
-    def verified_read(self, zone: int, zoff: int, length: int, ino: int = 0,
-                      file_off: int = 0, gens: dict[int, int] | None = None) -> Buffer:
-        """Read committed bytes and check them against their CRC32C pieces; EIO on a mismatch
-        (logged once per piece with file, offset and zone; counted in ``checksum_errors``).
-        Any buffer (``bytes`` or a view of the device's read buffer): nothing copies it.
-        With ``gens`` (a lock-free read, see ``read``): a failure in a zone whose reset began
-        meanwhile is ``StaleRead`` (look up again), never an error or a log line."""
-        s = self.s
-        try:
-            with s.lock:
-                span = s.csums.span(zone, zoff, length)
-            if span is None:
-                self._csum_error(zone, zoff, ino, file_off, "no checksum covers the range", gens)
-            if not span:
-                return self.dev_read(zone, zoff, length)
-            a = ZoneChecksums.piece_range(*span[0])[0]
-            b = ZoneChecksums.piece_range(*span[-1])[1]
-            data = self.dev_read(zone, a, b - a, view=True)
-        except (FsError, OSError):
-            if gens is not None and not self.gens_hold({zone: gens[zone]}):
-                raise StaleRead() from None
-            raise
-        for run, lo, hi in span:
-            bad = ZoneChecksums.bad_pieces(run, lo, hi, data, a)
-            if bad:
-                self._csum_error(zone, bad[0], ino, file_off + max(0, bad[0] - zoff),
-                                 "checksum mismatch", gens)
-        if a == zoff and b - a == length:
-            return data
-        return memoryview(data)[zoff - a:zoff - a + length]
-
-    def _csum_error(self, zone: int, zoff: int, ino: int, file_off: int, what: str,
-                    gens: dict[int, int] | None = None) -> None:
-        s = self.s
-        with s.lock:
-            if gens is not None and s.zgen[zone] != gens[zone]:
-                raise StaleRead()         # the zone was reset under the read: not corruption
-            s.stats["checksum_errors"] += 1
-            key = (zone, zoff)
-            first = key not in s._bad_pieces
-            s._bad_pieces.add(key)
-            path = s.ns.path_of(ino) if ino in s.inodes else f"inode {ino}"
-        if first:
-            log.error("%s: file %s offset %d, zone %d offset %d: returning EIO", what, path,
-                      file_off, zone, zoff)
-        raise FsError(errno.EIO, f"{what} in zone {zone}")
-
-    def dev_read(self, zone: int, zoff: int, length: int, view: bool = False) -> Buffer:
-        """Read committed bytes; EIO for a range a zone failure made untrustworthy.  With
-        ``view`` any buffer (``ZonedDevice.read_view``), else ``bytes``."""
-        bad = self.s.bad_zones.get(zone)
-        if bad is not None:
-            upto = bad["valid_upto"]
-            if (upto is not None and zoff + length > upto) or bad["reason"] == "offline":
-                if not bad.get("logged"):
-                    bad["logged"] = True
-                    log.error("read from zone %d refused with EIO: %s", zone, bad["reason"])
-                raise FsError(errno.EIO, f"zone {zone}: {bad['reason']}")
-        dev = self.s.dev
-        return dev.read_view(zone, zoff, length) if view else dev.read(zone, zoff, length)
 
     # ------------------------------------------------------------------ zones
     def ensure_open_slot_iolocked(self, zone: int) -> None:

@@ -13,4 +13,4 @@ class FsError(OSError):
 
 class StaleRead(Exception):
     """A lock-free read met a zone whose reset began after its lookup: look up again
-    (``DataPath.read``); never reaches a caller outside the data path."""
+    (``ReadPath.read``); never reaches a caller outside the data path."""

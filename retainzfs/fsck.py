@@ -65,7 +65,7 @@ class Fsck:
             while pos < length:
                 n = min(step, length - pos)
                 try:
-                    s.data.verified_read(zone, zoff + pos, n, ino, off + pos)
+                    s.reads.verified_read(zone, zoff + pos, n, ino, off + pos)
                 except OSError as e:
                     errors.append({"path": path, "offset": off + pos, "zone": zone,
                                    "error": e.strerror or str(e)})

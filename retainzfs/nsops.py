@@ -532,7 +532,7 @@ class StoreHints:
             raise H.HintError(f".retainz: {inode.size} bytes; a policy file may hold at most "
                               f"{H.POLICY_MAX} bytes")
         try:
-            return self.s.data.read_all_locked(inode)
+            return self.s.reads.read_all_locked(inode)
         except OSError as e:
             raise H.HintError(f".retainz: cannot read it: {e.strerror or e}") from None
 

@@ -41,7 +41,7 @@ class OpenFiles:
         with s.lock:
             inode = s.ns.get_locked(ino)
             inode.opens += 1
-            s.data.ra.opened(ino)
+            s.reads.ra.opened(ino)
             return inode
 
     @staticmethod

@@ -184,7 +184,7 @@ class ReadAhead:
             self._submit(ino, *w)
         if len(parts) == 1 and parts[0][0] == 0 and len(parts[0][1]) == size:
             return parts[0][1]
-        return assemble(parts, size)       # a hole reads as zeros, as in DataPath.read
+        return assemble(parts, size)       # a hole reads as zeros, as in ReadPath.read
 
     def _keep_behind_locked(self) -> int:
         """``KEEP_BEHIND`` while all files' windows hold less than ``BEHIND_BUDGET``, else 0
@@ -296,7 +296,7 @@ class ReadAhead:
                 except (FsError, OSError, StaleRead):
                     break              # the request itself will read it and report it
                 got.append(_Seg(zone, gens[zone], zoff, start + dst, memoryview(v)))
-            if not d.gens_hold(gens):  # a reset began under the read (DataPath.read)
+            if not d.gens_hold(gens):  # a reset began under the read (ReadPath.read)
                 return
             with self.lock:
                 f = self.files.get(ino)

@@ -12,7 +12,7 @@ a deletion emptied (``reset_empty_zones``) and for a GC victim (``reset_zones_io
 3. reset the zones on the device (``io_lock``: nothing is written to them meanwhile);
 4. under ``Store.lock``: allocator summaries, counters, out-of-service marks.
 
-Readers are never waited for (``DataPath.read`` is a seqlock on the generations).  For zones a
+Readers are never waited for (``ReadPath.read`` is a seqlock on the generations).  For zones a
 deletion emptied, ``io_lock`` is let go during the device flush of step 2, so writers of other
 files never wait for it; a GC victim's reset runs inside the writer's own placement, which is
 waiting for that space anyway.
@@ -186,7 +186,7 @@ class Reclaim:
             for batch in _batches(segs, COPY_BATCH, s.bs):
                 try:
                     # verified before it is written elsewhere: GC never launders bad bytes
-                    data = Chunks([s.data.verified_read(victim, vz, ln, ino, off)
+                    data = Chunks([s.reads.verified_read(victim, vz, ln, ino, off)
                                    for off, ln, vz in batch])
                     s.data.write(ino, batch[0][0], data,
                                  H.Hint(ih.birth, hint, ih.stream, "gc"),

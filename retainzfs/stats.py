@@ -148,7 +148,7 @@ class StoreStats:
                 "metadata_partial": s.recovered_partial,
                 "format_version": s.sb.version,
                 "tuning": dict(s.tuning),
-                "readahead": {"hits": s.data.ra.hits, "bytes": s.data.ra.prefetched},
+                "readahead": {"hits": s.reads.ra.hits, "bytes": s.reads.ra.prefetched},
                 # seconds the write loop held io_lock (placing and reserving) and seconds in
                 # the device writes, which run outside it (summed over threads)
                 "data_write_seconds": round(st["data_write_s"], 6),

@@ -10,7 +10,8 @@ store's state through it:
 * ``ns``      nsops.NamespaceOps   namespace operations and their POSIX rules, xattrs
 * ``hints``   nsops.StoreHints     ``.retainz`` policies in force, hint resolution (hints.py)
 * ``files``   openfiles.OpenFiles  write buffers, the background flush, parked errors
-* ``data``    datapath.DataPath    placement, THE write loop (data and GC copies), reads
+* ``data``    datapath.DataPath    placement, THE write loop (data and GC copies)
+* ``reads``   readpath.ReadPath    verified reads (lock-free against resets), readahead
 * ``reclaim`` reclaim.Reclaim      dead bytes, THE reset sequence, GC
 * ``report``  stats.StoreStats     statfs, status, zone map, commit latencies
 * ``fsck``    fsck.Fsck            check and scrub
@@ -22,7 +23,7 @@ must be written at their write pointer, in order).  The order is always io_lock 
 the reverse.  Methods named ``*_locked`` need ``self.lock`` held, ``*_iolocked`` need
 ``io_lock`` held, and assert it.  Reads take neither lock during device I/O and never wait for
 a reset, nor a reset for them: a read takes its zones' generations with its lookup and reads
-again if one moved (``DataPath.read``, a seqlock; a reset moves the generation first).
+again if one moved (``ReadPath.read``, a seqlock; a reset moves the generation first).
 
 Durability contract: a file's data and extents are durable when ``fsync`` returns; ``flush``
 (close) writes data and journal records without a device flush; namespace changes are durable at
@@ -46,6 +47,7 @@ from .apply import RecordApplier
 from .recovery import MountRecovery
 from .csums import ZoneChecksums
 from .datapath import DataPath
+from .readpath import ReadPath
 from .device import ZoneCond, ZonedDevice
 from .errors import FsError
 from .fsck import Fsck
@@ -174,6 +176,7 @@ class Store:
         self.hints = StoreHints(self)
         self.files = OpenFiles(self)
         self.data = DataPath(self)
+        self.reads = ReadPath(self)
         self.reclaim = Reclaim(self)
         self.report = StoreStats(self)
         self.fsck = Fsck(self)
@@ -275,9 +278,9 @@ class Store:
     write = _Via("files")
     truncate = _Via("files")
     _flush_data = _Via("files", "flush_data")
-    # data path, datapath.DataPath
-    read = _Via("data")
-    read_cached = _Via("data")
+    # data path, datapath.DataPath; reads, readpath.ReadPath
+    read = _Via("reads")
+    read_cached = _Via("reads")
     declare_save = _Via("data")
     # reclaim, reclaim.Reclaim
     reset_empty_zones = _Via("reclaim")
@@ -408,6 +411,6 @@ class Store:
             except OSError as e:
                 log.error("unmount: could not commit inode %d: %s", ino, e)
         self.files.flusher.shutdown(wait=True)
-        self.data.ra.close()
+        self.reads.ra.close()
         self.sync()
         self.dev.flush()

@@ -340,7 +340,7 @@ def test_readahead_serves_hits_and_never_stale_bytes(tmp_path):
         for off in range(0, START, MiB):                       # last one read may have left
             s.read(ino, off, MiB)                              # the page cache): from 0...
         for _ in range(200):                                   # ...its windows arrive
-            hit = s.data.read_cached(ino, START, MiB)          # the FUSE read's first try
+            hit = s.reads.read_cached(ino, START, MiB)          # the FUSE read's first try
             if hit is not None:
                 break
             time.sleep(0.01)

@@ -474,7 +474,7 @@ def test_a_reset_never_waits_for_a_read_and_the_read_looks_again(tmp_path):
     ino = put(s, 1, b"a", old)
     (z0,) = {e.zone for e in s.inodes[ino].extents}
     new = os.urandom(700_000)
-    orig = s.data.dev_read
+    orig = s.reads.dev_read
     fired = []
 
     def racing(zone, zoff, length, view=False):
@@ -486,12 +486,12 @@ def test_a_reset_never_waits_for_a_read_and_the_read_looks_again(tmp_path):
             s.commit(ino, durable=True)
         return orig(zone, zoff, length, view)
 
-    s.data.dev_read = racing
+    s.reads.dev_read = racing
     out = []
     t = threading.Thread(target=lambda: out.append(s.read(ino, 0, len(old))))
     t.start()
     t.join(30)
-    s.data.dev_read = orig
+    s.reads.dev_read = orig
     assert not t.is_alive(), "the read and the reset waited for each other"
     assert fired == [z0] and s.status()["zone_resets"] >= 1
     assert out == [new]
