@@ -215,19 +215,8 @@ class Operations:
     def setxattr(self, ino: int, name: bytes, value: bytes, flags: int) -> None:
         if flags & ~(XATTR_CREATE | XATTR_REPLACE):
             raise FsError(errno.EINVAL)
-        if flags:
-            try:
-                self.store.getxattr(ino, name)
-                exists = True
-            except FsError as e:
-                if e.errno != errno.ENODATA:
-                    raise
-                exists = False
-            if flags & XATTR_CREATE and exists:
-                raise FsError(errno.EEXIST)
-            if flags & XATTR_REPLACE and not exists:
-                raise FsError(errno.ENODATA)
-        self.store.setxattr(ino, name, value)
+        self.store.setxattr(ino, name, value, create=bool(flags & XATTR_CREATE),
+                            replace=bool(flags & XATTR_REPLACE))
 
     def getxattr(self, ino: int, name: bytes) -> bytes:
         return self.store.getxattr(ino, name)

@@ -376,11 +376,19 @@ class NamespaceOps:
                 self.free_inode_locked(inode)
 
     # ------------------------------------------------------------------ xattrs
-    def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+    def setxattr(self, ino: int, name: bytes, value: bytes, create: bool = False,
+                 replace: bool = False) -> None:
+        """Set an xattr; ``create`` (XATTR_CREATE): EEXIST if it exists, ``replace``
+        (XATTR_REPLACE): ENODATA if not, decided under the lock with the change (two racing
+        XATTR_CREATEs: one wins)."""
         with self.s.lock:
             inode = self.get_locked(ino)
             if name in H.VIRTUAL_XATTRS:
                 raise FsError(errno.EPERM)
+            if create and name in inode.xattrs:
+                raise FsError(errno.EEXIST)
+            if replace and name not in inode.xattrs:
+                raise FsError(errno.ENODATA)
             if name in H.HINT_XATTRS:
                 try:
                     H.validate_xattr(name, value)

@@ -304,7 +304,7 @@ def render_table(rows: list[dict], meta: dict) -> str:
     head = ("| group | case | policy | reserved overhead (zones) | invalid | tail | host WA | "
             "p99 ms (wall) | p99 ms (CPU) | alloc µs/commit | saves |")
     sep = "|" + "---|" * 11
-    lines = [f"# retainzfs sweep", "",
+    lines = ["# retainzfs sweep", "",
              f"{meta.get('runs', 0)} runs, {meta.get('elapsed_s', 0):.0f} s, "
              f"{meta.get('jobs', 1)} jobs; mean [min–max] over seeds; the paper's value in "
              "parentheses where it states one.  Metrics summarize the runs that completed every "

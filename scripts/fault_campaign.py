@@ -60,7 +60,6 @@ daemon log, fsck outputs) is kept.  On success the workdir is removed unless --k
 from __future__ import annotations
 
 import argparse
-import errno
 import hashlib
 import json
 import math

@@ -7,7 +7,6 @@ import threading
 import time
 import urllib.request
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import MOUNT, run

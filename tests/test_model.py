@@ -8,17 +8,13 @@ state must equal the model.
 """
 from __future__ import annotations
 
-import errno
 import os
 import random
-import shutil
-import stat
 
-import pytest
 import xattr
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (Bundle, RuleBasedStateMachine, initialize, invariant,
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant,
                                  precondition, rule, run_state_machine_as_test)
 
 from retainzfs.device import create_image, open_device

@@ -13,7 +13,7 @@ from retainzfs._alloc import POLICIES
 from retainzfs.device import open_device
 from retainzfs.replay import ReplayError, pattern, replay
 from retainzfs.store import Store
-from retainzfs.workload import DeleteEvent, DeviceSpec, FileSpec, SaveEvent
+from retainzfs.workload import DeviceSpec, FileSpec, SaveEvent
 
 MiB = 1 << 20
 

@@ -877,3 +877,37 @@ def test_a_failed_data_write_leaves_the_zone_writable_and_loses_nothing_committe
     finally:
         s.close()
         dev.close()
+
+
+def test_xattr_create_and_replace_are_decided_with_the_change(tmp_path):
+    """XATTR_CREATE / XATTR_REPLACE (``fs.setxattr`` passes them as ``create`` / ``replace``)
+    are checked under the store lock with the change itself: of 8 threads racing to create one
+    name exactly one wins and the value is the winner's (the check was a separate getxattr
+    before, so two creates could both pass it); replace of a missing name is ENODATA; and the
+    outcome survives a remount."""
+    path, dev, s = fresh(tmp_path)
+    ino = put(s, 1, b"f", b"data")
+    won = []
+
+    def create(k):
+        try:
+            s.setxattr(ino, b"user.lock", b"owner%d" % k, create=True)
+            won.append(k)
+        except FsError as e:
+            assert e.errno == errno.EEXIST
+
+    assert run_threads(create, 8) == []
+    assert len(won) == 1
+    assert s.getxattr(ino, b"user.lock") == b"owner%d" % won[0]
+    with pytest.raises(FsError) as ei:
+        s.setxattr(ino, b"user.none", b"x", replace=True)
+    assert ei.value.errno == errno.ENODATA
+    s.setxattr(ino, b"user.lock", b"next", replace=True)
+    s.commit(ino, durable=True)
+    dev, s = reopen(path, dev, s)
+    assert s.getxattr(ino, b"user.lock") == b"next"
+    with pytest.raises(FsError) as ei:
+        s.getxattr(ino, b"user.none")
+    assert ei.value.errno == errno.ENODATA
+    s.close()
+    dev.close()

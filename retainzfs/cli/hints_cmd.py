@@ -21,7 +21,7 @@ import xattr
 import stat
 
 from .. import hints as H
-from .common import die, is_retainzfs_mount, mount_root
+from .common import die, mount_root
 
 X_HINT = H.XATTR_HINT.decode()
 X_ZONES = H.XATTR_ZONES.decode()

@@ -9,7 +9,6 @@ import argparse
 import errno
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time

@@ -22,7 +22,7 @@ import time
 import xattr
 
 from .. import hints as H
-from .common import die, find_mount_of, is_retainzfs_mount, mount_root
+from .common import die, find_mount_of, mount_root
 
 READ = 4 << 20
 STATUS_XATTR = H.XATTR_STATUS.decode()
