@@ -80,7 +80,7 @@ def figures(root: str, size: int, pid: int | None = None) -> dict:
     write_file(p, size, buf)
     out["seq_write_fsync"] = time.perf_counter() - t
     c1 = cpu_seconds(pid)
-    drop_caches()
+    drop_caches(back=2 * size + (256 << 20))
     c2 = cpu_seconds(pid)
     t = time.perf_counter()
     read_file(p)
@@ -89,7 +89,7 @@ def figures(root: str, size: int, pid: int | None = None) -> dict:
     gib = size / (1 << 30)
     out["write_cpu_s_per_gib"] = (c1 - c0) / gib
     out["read_cpu_s_per_gib"] = (c3 - c2) / gib
-    drop_caches()
+    drop_caches(back=2 * size + (256 << 20))
     with open(p, "rb") as f:                              # random 4 KiB reads via mmap
         mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
         rnd = random.Random(1)
@@ -112,7 +112,7 @@ def figures(root: str, size: int, pid: int | None = None) -> dict:
         dev = st1["device_write_seconds"] - st0["device_write_seconds"]
         out["8w_io_lock_share"] = held / out["8_writers"]
         out["8w_device_writes_in_flight"] = dev / out["8_writers"]
-    drop_caches()
+    drop_caches(back=2 * size + (256 << 20))
     t = time.perf_counter()
     parallel(read_file, [(os.path.join(root, f"w{i}"),) for i in range(8)])
     out["8_readers"] = time.perf_counter() - t
