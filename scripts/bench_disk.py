@@ -13,10 +13,9 @@ fsyncs; prints GB/s per (threads, chunk).
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
-import threading
-import time
+
+from benchutil import odirect_pass
 
 MiB = 1 << 20
 
@@ -27,20 +26,7 @@ def run(path: str, size: int, threads: int, chunk: int, prealloc: bool) -> float
         os.ftruncate(fd, size)
         if prealloc:
             os.posix_fallocate(fd, 0, size)
-        buf = mmap.mmap(-1, chunk)          # page-aligned, as O_DIRECT wants
-        buf.write(os.urandom(chunk))
-
-        def writer(k: int) -> None:
-            for off in range(k * chunk, size, threads * chunk):
-                os.pwrite(fd, buf, off)
-        t = time.perf_counter()
-        ts = [threading.Thread(target=writer, args=(k,)) for k in range(threads)]
-        for x in ts:
-            x.start()
-        for x in ts:
-            x.join()
-        os.fsync(fd)
-        return size / (time.perf_counter() - t) / 1e9
+        return size / odirect_pass(fd, size, threads, chunk, write=True) / 1e9
     finally:
         os.close(fd)
         os.unlink(path)

@@ -25,7 +25,8 @@ import tempfile
 import threading
 import time
 
-from benchutil import bench_parser, cpu_seconds, daemon_pid, drop_caches, peak_rss
+from benchutil import (bench_parser, cpu_seconds, daemon_pid, drop_caches, odirect_pass,
+                       peak_rss)
 
 MiB = 1 << 20
 REQ = 1 << 20
@@ -134,8 +135,9 @@ def figures(root: str, size: int, pid: int | None = None) -> dict:
 
 def disk_ceiling(root: str, size: int) -> dict | None:
     """What the disk itself gives 8 threads with O_DIRECT into one sparse file, as the daemon
-    writes and reads its image (each thread its own 1/8, 4 MiB requests; fsync after the
-    writes, page cache dropped before the reads): the bound for the 8-writer and 8-reader
+    writes and reads its image (``benchutil.odirect_pass``: 4 MiB requests, thread k every
+    8th from the k-th, as flushes append to a zone; fsync after the writes, page cache
+    dropped before the reads): the bound for the 8-writer and 8-reader
     figures, since retainzfs does its zone I/O this way while the plain file goes through the
     page cache (and the kernel's writeback and readahead)."""
     p = os.path.join(root, "odirect")
@@ -147,22 +149,9 @@ def disk_ceiling(root: str, size: int) -> dict | None:
     out = {}
     try:
         os.ftruncate(fd, 8 * per)
-
-        def run(i: int, write: bool) -> None:
-            buf = mmap.mmap(-1, 4 * MiB)          # page-aligned, as O_DIRECT wants
-            if write:
-                buf.write(os.urandom(4 * MiB))
-            for o in range(i * per, (i + 1) * per, 4 * MiB):
-                (os.pwritev if write else os.preadv)(fd, [buf], o)
-            buf.close()
-        t = time.perf_counter()
-        parallel(run, [(i, True) for i in range(8)])
-        os.fsync(fd)
-        out["8_writers"] = time.perf_counter() - t
+        out["8_writers"] = odirect_pass(fd, 8 * per, 8, 4 * MiB, write=True)
         drop_caches()
-        t = time.perf_counter()
-        parallel(run, [(i, False) for i in range(8)])
-        out["8_readers"] = time.perf_counter() - t
+        out["8_readers"] = odirect_pass(fd, 8 * per, 8, 4 * MiB, write=False)
     finally:
         os.close(fd)
         os.unlink(p)

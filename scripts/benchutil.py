@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import threading
+import time
 
 
 def drop_caches(back: int = 0) -> None:
@@ -87,3 +89,27 @@ def bench_parser(doc: str) -> argparse.ArgumentParser:
                     help="mount options for the retainzfs side (mount.retainzfs -o), to compare "
                          "settings: e.g. image_io=buffered")
     return ap
+
+
+def odirect_pass(fd: int, size: int, threads: int, chunk: int, write: bool) -> float:
+    """Seconds for ``threads`` threads to write (or read) ``size`` bytes of ``fd`` (opened
+    O_DIRECT) in ``chunk``-byte requests, thread k taking every ``threads``-th chunk from
+    chunk k, as the daemon's flushes append to a zone; writes end with an fsync."""
+    def one(k: int) -> None:
+        buf = mmap.mmap(-1, chunk)                # page-aligned, as O_DIRECT wants
+        try:
+            if write:
+                buf.write(os.urandom(chunk))
+            for off in range(k * chunk, size, threads * chunk):
+                (os.pwritev if write else os.preadv)(fd, [buf], off)
+        finally:
+            buf.close()
+    t = time.perf_counter()
+    ts = [threading.Thread(target=one, args=(k,)) for k in range(threads)]
+    for x in ts:
+        x.start()
+    for x in ts:
+        x.join()
+    if write:
+        os.fsync(fd)
+    return time.perf_counter() - t
