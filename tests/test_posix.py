@@ -620,6 +620,51 @@ def test_mmap_shared_readonly_and_private(mounted):
     del arr
 
 
+def test_mmap_shared_writes_reach_the_file(mounted):
+    """Writable shared mappings (``np.memmap(mode="w+")``, dataset and index builders, tools
+    that patch a checkpoint in place): the bytes written through the mapping are the file's,
+    seen by another descriptor before it closes, kept by a remount, and what ``msync`` returned
+    for survives a kill -9 of the daemon with the mapping still open."""
+    import numpy as np
+    p = mounted / "mm"
+    n = 10 * MiB + 3 * 4096 + 17                  # not a whole number of pages or blocks
+    want = bytearray(rand_bytes(n, 31))
+    arr = np.memmap(p, dtype=np.uint8, mode="w+", shape=(n,))
+    arr[:] = np.frombuffer(bytes(want), dtype=np.uint8)
+    arr.flush()
+    del arr
+    assert p.read_bytes() == want
+    rng = random.Random(5)
+    with open(p, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:     # edits over written extents
+        for _ in range(200):
+            off = rng.randrange(n - 9000)
+            d = rng.randbytes(rng.randrange(1, 9000))          # across page/block boundaries
+            m[off:off + len(d)] = d
+            want[off:off + len(d)] = d
+        m[n - 5:] = b"TAIL!"
+        want[n - 5:] = b"TAIL!"
+        m.flush()
+        assert p.read_bytes() == want                          # before the close
+    mounted.remount()
+    assert p.read_bytes() == want
+    fd = os.open(p, os.O_RDWR)
+    m = mmap.mmap(fd, 0)
+    try:
+        m[4096:4096 + 11] = b"msync'd ok!"
+        want[4096:4096 + 11] = b"msync'd ok!"
+        m.flush()                                  # msync(MS_SYNC): FUSE FSYNC of the range
+        mounted.kill()                             # the mapping and the descriptor still open
+    finally:
+        m.close()
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    run("fusermount3", "-uz", mounted.path, check=False)
+    mounted.mount()
+    assert p.read_bytes() == want
+
+
 def test_file_over_4gib(make_image, mount_image):
     img = make_image(size="8G")
     m = mount_image(img)
