@@ -162,6 +162,15 @@ STEPS = (step_seq_write, step_cold_read, step_mmap_read, step_8_writers, step_8_
          step_small_files)
 
 
+def figures(root: str, size: int, pid: int | None = None) -> dict:
+    """Every figure in directory ``root`` (served by daemon ``pid``, if any): seconds each,
+    and the daemon's CPU per GiB and peak RSS (``bench_fuse_ceiling.py`` measures its null
+    file systems with this)."""
+    side = Side(root, pid)
+    one_side(side, size)
+    return side.out
+
+
 def one_side(side: Side, size: int) -> None:
     """Every figure on ``side``, in order."""
     buf = os.urandom(REQ)
