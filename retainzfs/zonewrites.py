@@ -99,6 +99,8 @@ class ZoneWrites:
         return cond
 
     def _reserve_locked(self, zone: int, offset: int, n: int) -> None:
+        """Claim [offset, offset + n) of the zone for one write (device lock held)."""
+        assert self._cv._is_owned(), "_reserve_locked without the device lock"
         cond = self._check_write(zone, offset, n)
         if cond == _EMPTY:
             self._check_resources(zone, 1, 1)
@@ -214,8 +216,11 @@ class ZoneWrites:
     def _drain_locked(self, zone: int) -> None:
         """Wait (device lock held) until the zone's reservations are passed: a management
         command never lands between a reservation and its commit."""
+        assert self._cv._is_owned(), "_drain_locked without the device lock"
         while self._pending[zone]:
             self._cv.wait()
 
     def _settle_locked(self, zone: int) -> None:
+        """No reservation outstanding: the next one and the turn are at the write pointer."""
+        assert self._cv._is_owned(), "_settle_locked without the device lock"
         self._resv[zone] = self._turn[zone] = self._wp[zone]
