@@ -40,6 +40,8 @@ class StoreCollector:
                 ("retainzfs_invalid_bytes", "invalid_bytes", "Dead bytes in zones not yet reset"),
                 ("retainzfs_tail_bytes", "tail_bytes", "Unused capacity of open zones"),
                 ("retainzfs_free_bytes", "free_bytes", "Writable capacity"),
+                ("retainzfs_reclaimable_bytes", "reclaimable_bytes",
+                 "Dead bytes a zone reset or GC gives back to writers"),
                 ("retainzfs_host_write_amplification", "host_wa",
                  "Device bytes written per logical byte"),
                 ("retainzfs_reserved_overhead_zones", "reserved_overhead_zones",

@@ -13,7 +13,8 @@ from conftest import MOUNT, run
 
 MiB = 1 << 20
 NEEDED = {"retainzfs_zones", "retainzfs_live_bytes", "retainzfs_invalid_bytes",
-          "retainzfs_tail_bytes", "retainzfs_free_bytes", "retainzfs_zone_resets",
+          "retainzfs_tail_bytes", "retainzfs_free_bytes", "retainzfs_reclaimable_bytes",
+          "retainzfs_zone_resets",
           "retainzfs_gc_copied_bytes", "retainzfs_host_write_amplification",
           "retainzfs_commit_seconds", "retainzfs_enospc", "retainzfs_checksum_errors",
           "retainzfs_gc_aborted", "retainzfs_daemon_peak_resident_bytes",

@@ -726,6 +726,43 @@ def test_statfs_reports_real_free_space(mounted):
     assert st["live_bytes"] == 0
 
 
+def test_statfs_counts_what_gc_gives_back(make_image, mount_image):
+    """``df`` after ``rm`` of a file whose zones it shared with a file that stays: the zones
+    are not reset (live data left), but GC gives the dead half back to the next writer, so the
+    free space reported grows by about the file removed, and a writer gets that much.  Before,
+    ``df`` showed no change (a job or a monitor checking free space before a save saw none)."""
+    m = mount_image(make_image(size="96M", zone_size="4M"))
+
+    def avail() -> int:
+        st = os.statvfs(m.path)
+        return st.f_bavail * st.f_frsize
+
+    a0 = avail()
+    n = 0
+    with open(m / "A", "wb") as fa, open(m / "B", "wb") as fb:
+        while (n + 2) * MiB < a0 * 0.9:       # 1 MiB of each in turn: they share zones
+            for i, f in enumerate((fa, fb)):
+                f.write(rand_bytes(MiB, 100 + n + i))
+                f.flush()
+                os.fsync(f.fileno())
+            n += 2
+    a_data = (m / "A").read_bytes()
+    a1 = avail()
+    assert a1 < a0 * 0.2, (a0, a1)
+    os.unlink(m / "B")
+    st = m.status()
+    assert st["zone_resets"] == 0 and st["invalid_bytes"] >= n // 2 * MiB * 0.9, st
+    a2 = avail()
+    assert a2 - a1 >= n // 2 * MiB * 0.9, (a1, a2, n)
+    assert st["reclaimable_bytes"] >= n // 2 * MiB * 0.9, st
+    got = int((a2 - a1) * 0.8) // MiB * MiB          # a writer gets it (through GC)
+    write_file(m / "C", rand_bytes(got, 7), fsync=True)
+    assert m.status()["gc_copied_bytes"] > 0
+    m.remount()
+    assert (m / "A").read_bytes() == a_data
+    assert (m / "C").read_bytes() == rand_bytes(got, 7)
+
+
 def test_xattrs(mounted):
     p = mounted / "x"
     write_file(p, b"data")
