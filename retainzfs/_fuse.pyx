@@ -264,7 +264,7 @@ cdef void _fill_entry(fuse_entry_param *e, object a, double timeout):
     e.attr.st_rdev = a.rdev
     e.attr.st_size = a.size
     e.attr.st_blksize = _ops.blksize
-    e.attr.st_blocks = (a.size + 511) // 512
+    e.attr.st_blocks = ((a.stored if a.stored >= 0 else a.size) + 511) // 512
     t = a.atime
     e.attr.st_atim.tv_sec = t // 1000000000
     e.attr.st_atim.tv_nsec = t % 1000000000

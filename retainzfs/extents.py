@@ -33,16 +33,19 @@ Dead = tuple[int, int, float]   # (zone, bytes, hint)
 
 
 class ExtentMap:
-    """Sorted, non-overlapping extents of one file."""
-    __slots__ = ("exts", "offs")
+    """Sorted, non-overlapping extents of one file; ``total``: the bytes they map (what
+    ``st_blocks`` reports, kept here so a stat costs no walk over a file's extents)."""
+    __slots__ = ("exts", "offs", "total")
 
     def __init__(self, exts: list[Extent] | None = None):
         if not exts:                      # the common case (every inode has a map): no sort
             self.exts: list[Extent] = []
             self.offs: list[int] = []
+            self.total = 0
             return
         self.exts = sorted(exts, key=lambda e: e.off)
         self.offs = [e.off for e in self.exts]
+        self.total = sum(e.length for e in self.exts)
 
     def __iter__(self):
         return iter(self.exts)
@@ -72,6 +75,7 @@ class ExtentMap:
         if j > i or keep_before:
             self.exts[i:j] = keep_before
             self.offs[i:j] = [e.off for e in keep_before]
+        self.total -= sum(d[1] for d in dead)
         return dead
 
     def add(self, off: int, length: int, zone: int, zoff: int, hint: float) -> list[Dead]:
@@ -79,6 +83,7 @@ class ExtentMap:
         if length <= 0:
             return []
         dead = self._cut(off, off + length)
+        self.total += length
         i = bisect_right(self.offs, off)
         prev = self.exts[i - 1] if i > 0 else None
         if (prev is not None and prev.end == off and prev.zone == zone
@@ -106,6 +111,7 @@ class ExtentMap:
     def clear(self) -> list[Dead]:
         dead = [(e.zone, e.length, e.hint) for e in self.exts]
         self.exts, self.offs = [], []
+        self.total = 0
         return dead
 
     def lookup(self, off: int, size: int) -> list[tuple[int, int, int, int]]:
@@ -129,6 +135,7 @@ class ExtentMap:
             return False
         hint = self.exts[max(bisect_right(self.offs, off) - 1, 0)].hint
         self._cut(off, off + length)
+        self.total += length
         i = bisect_right(self.offs, off)
         self.exts.insert(i, Extent(off, length, new_zone, new_zoff, hint))
         self.offs.insert(i, off)

@@ -45,6 +45,7 @@ class _NoExtents(ExtentMap):
     def __init__(self):
         self.exts = ()
         self.offs = ()
+        self.total = 0
 
     def add(self, *a):
         raise TypeError("the shared empty extent map is read-only (use Inode.extmap())")
@@ -210,14 +211,24 @@ class Attrs(NamedTuple):
     mtime: int
     ctime: int
     caps: bool            # has file capabilities (security.capability)
+    #: bytes a regular file holds (extents + buffered, at most its size): ``st_blocks``, so
+    #: ``du`` and ``cp --sparse`` see holes; -1: use the size (directories, links, the null
+    #: file systems of ``bench_fuse_ceiling``)
+    stored: int = -1
 
     @staticmethod
     def of(inode: "Inode") -> "Attrs":
         """Store.lock held."""
         xa = inode.xattrs
+        stored = -1
+        if inode.is_reg:
+            stored = inode.extents.total
+            if inode.has_buffered():
+                stored += len(inode.wbuf)
+            stored = min(stored, inode.size)
         return Attrs(inode.ino, inode.mode, inode.nlink, inode.uid, inode.gid, inode.rdev,
                      inode.size, inode.atime, inode.mtime, inode.ctime,
-                     bool(xa) and b"security.capability" in xa)
+                     bool(xa) and b"security.capability" in xa, stored)
 
 
 class InodeTable(MutableMapping):

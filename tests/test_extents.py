@@ -51,6 +51,7 @@ def check_invariants(m: ExtentMap) -> None:
     for a, b in zip(m.exts, m.exts[1:]):
         assert a.end <= b.off, (a, b)
     assert all(e.length > 0 for e in m.exts)
+    assert m.total == sum(e.length for e in m.exts)        # st_blocks comes from it
 
 
 @settings(max_examples=150, deadline=None)

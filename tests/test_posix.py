@@ -699,6 +699,35 @@ def test_file_over_4gib(make_image, mount_image):
     assert m.status()["live_bytes"] == sum(map(len, pieces.values())) + MiB
 
 
+def test_st_blocks_count_what_a_file_holds(mounted):
+    """``st_blocks`` is what a file holds, not its size: ``du`` of a sparse file and
+    ``cp --sparse`` see its holes (it was size / 512: a 100 MiB file with 5 KB in it showed as
+    100 MiB).  Counted while buffered, after close, after overwrites (not twice), a
+    truncation and a remount."""
+    p = mounted / "sparse"
+    with open(p, "wb") as f:
+        f.seek(100 * MiB)
+        f.write(b"x" * 5000)
+        f.flush()
+        assert os.fstat(f.fileno()).st_blocks == 10           # buffered, not yet in a zone
+    st = os.stat(p)
+    assert st.st_size == 100 * MiB + 5000 and st.st_blocks == 10
+    with open(p, "r+b") as f:                                 # an overwrite counts once
+        f.seek(100 * MiB)
+        f.write(b"y" * 5000)
+    assert os.stat(p).st_blocks == 10
+    du = run("du", "-k", str(p)).stdout.split()[0]
+    assert int(du) < 64, du
+    full = mounted / "full"
+    write_file(full, rand_bytes(3 * MiB + 100, 3))
+    assert os.stat(full).st_blocks == (3 * MiB + 100 + 511) // 512
+    os.truncate(full, MiB)
+    assert os.stat(full).st_blocks == MiB // 512
+    mounted.remount()
+    assert os.stat(p).st_blocks == 10 and os.stat(full).st_blocks == MiB // 512
+    assert (mounted / "sparse").read_bytes()[100 * MiB:] == b"y" * 5000
+
+
 def test_statfs_reports_real_free_space(mounted):
     s0 = os.statvfs(mounted.path)
     assert s0.f_blocks * s0.f_frsize > 900 * MiB
