@@ -50,11 +50,23 @@ class Reclaim:
         s = self.s
         return max(s.bs, int(s.cap * GC_MIN_GAIN) // s.bs * s.bs)
 
-    def gain_locked(self, z: int) -> int:
+    def gain_locked(self, z: int, sm: dict | None = None) -> int:
         """Space a reset of ``z`` frees beyond the copies of its live bytes: the dead bytes
-        written (an active zone's unwritten tail is free already)."""
-        sm = self.s.alloc.summary(z)
+        written (an active zone's unwritten tail is free already).  ``sm``: its summary, if
+        the caller has it."""
+        if sm is None:
+            sm = self.s.alloc.summary(z)
         return (self.s.cap if sm["cond"] == "full" else sm["W"]) - sm["L"]
+
+    def reclaimable_locked(self, z: int, sm: dict) -> int:
+        """Bytes a writer can still get from the written part of zone ``z`` (summary ``sm``,
+        not empty): all of them once nothing in it is live (it is reset), else the gain of a GC
+        of it when that makes it a victim (``min_gain``); 0 for a zone out of service.  What
+        ``statfs`` counts free beyond empty zones and open zones' tails."""
+        if z in self.s.bad_zones:
+            return 0
+        gain = self.gain_locked(z, sm)
+        return gain if sm["L"] <= 0 or gain >= self.min_gain else 0
 
     def dead_locked(self, pieces) -> None:
         """Account superseded/freed bytes; queue zones that hold no live data for reset."""

@@ -69,24 +69,10 @@ class StoreStats:
         if len(self.commit_ms) > 100000:
             del self.commit_ms[:50000]
 
-    def reclaimable_locked(self, z: int, sm: dict) -> int:
-        """Bytes a writer can still get from the written part of zone ``z`` (summary ``sm``):
-        all of it once nothing in it is live (the zone is reset), else what GC frees beyond
-        its copies when that qualifies the zone as a victim (``Reclaim.min_gain``); 0 for a
-        zone out of service.  Store.lock held."""
-        s = self.s
-        if z in s.bad_zones:
-            return 0
-        w = s.cap if sm["cond"] == "full" else sm["W"]
-        if sm["L"] <= 0:
-            return w
-        gain = w - sm["L"]
-        return gain if gain >= s.reclaim.min_gain else 0
-
     def statfs(self) -> dict:
         """Free space as a writer can get it: empty zones, the unwritten tails of open ones,
-        and the dead bytes that a reset or GC hands back (``reclaimable_locked``), less the GC
-        reserve.  Why the dead bytes: after ``rm`` of a checkpoint whose zones also hold live
+        and the dead bytes that a reset or GC hands back (``Reclaim.reclaimable_locked``),
+        less the GC reserve.  Why the dead bytes: after ``rm`` of a checkpoint whose zones also hold live
         data, ``df`` showed no change (0 bytes free on a full device) while the next writes
         succeeded through GC; a job or a monitor checking free space before a save was told
         there was none.  (F2FS counts invalid blocks as free in statfs the same way.)"""
@@ -101,7 +87,7 @@ class StoreStats:
                     continue
                 if sm["cond"] == "active":
                     free += s.cap - sm["W"]
-                free += self.reclaimable_locked(z, sm)
+                free += s.reclaim.reclaimable_locked(z, sm)
             free = max(0, free - s.opts.gc_reserve * s.cap)
             return {"bsize": s.bs, "blocks": data_zones * s.cap // s.bs,
                     "bfree": free // s.bs, "files": len(s.inodes),
@@ -128,7 +114,7 @@ class StoreStats:
                 tail += cap - sm["W"]
                 if sm["cond"] == "active":
                     free += cap - sm["W"]
-                reclaimable += self.reclaimable_locked(z, sm)
+                reclaimable += s.reclaim.reclaimable_locked(z, sm)
             st = s.stats
             logical = st["payload_bytes"]
             cm = sorted(self.commit_ms)
