@@ -223,8 +223,9 @@ class Attrs(NamedTuple):
         stored = -1
         if inode.is_reg:
             stored = inode.extents.total
-            if inode.has_buffered():
-                stored += len(inode.wbuf)
+            if inode.has_buffered():         # buffered bytes over stored ones count once
+                wb = inode.wbuf
+                stored += len(wb) - sum(seg[3] for seg in inode.extents.lookup(wb.off, len(wb)))
             stored = min(stored, inode.size)
         return Attrs(inode.ino, inode.mode, inode.nlink, inode.uid, inode.gid, inode.rdev,
                      inode.size, inode.atime, inode.mtime, inode.ctime,

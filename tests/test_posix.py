@@ -702,7 +702,8 @@ def test_file_over_4gib(make_image, mount_image):
 def test_st_blocks_count_what_a_file_holds(mounted):
     """``st_blocks`` is what a file holds, not its size: ``du`` of a sparse file and
     ``cp --sparse`` see its holes (it was size / 512: a 100 MiB file with 5 KB in it showed as
-    100 MiB).  Counted while buffered, after close, after overwrites (not twice), a
+    100 MiB).  Counted while buffered, after close, after overwrites (not twice, also while the
+    new bytes are still buffered over the stored ones), a
     truncation and a remount."""
     p = mounted / "sparse"
     with open(p, "wb") as f:
@@ -712,9 +713,11 @@ def test_st_blocks_count_what_a_file_holds(mounted):
         assert os.fstat(f.fileno()).st_blocks == 10           # buffered, not yet in a zone
     st = os.stat(p)
     assert st.st_size == 100 * MiB + 5000 and st.st_blocks == 10
-    with open(p, "r+b") as f:                                 # an overwrite counts once
+    with open(p, "r+b") as f:                                 # an overwrite counts once:
         f.seek(100 * MiB)
         f.write(b"y" * 5000)
+        f.flush()                                             # buffered over stored bytes
+        assert os.fstat(f.fileno()).st_blocks == 10
     assert os.stat(p).st_blocks == 10
     du = run("du", "-k", str(p)).stdout.split()[0]
     assert int(du) < 64, du
