@@ -290,7 +290,7 @@ def test_write_pointer_behind_live_data(mounted):
     ("sync_interval=-1", "sync_interval"), ("sync_interval=nan", "sync_interval"),
     ("sync_interval=0", "sync_interval"), ("sync_interval=inf", "sync_interval"),
     ("lambda=abc", "lambda"), ("lambda=-1", "lambda"), ("hint_grid=x", "hint_grid"),
-    ("gc_reserve=-2", "gc_reserve"), ("allocator=nope", "allocator"),
+    ("gc_reserve=-2", "<= 1048576"), ("allocator=nope", "allocator"),
     ("flush_bytes=0", "flush_bytes"), ("common_admission=maybe", "common_admission"),
     ("bogus=1", "bogus"),
 ])

@@ -27,11 +27,13 @@ def _number(key: str, val: str, kind=float, lo: float | None = None, lo_open: bo
     """One mount option's numeric value, or ValueError naming the option and what it accepts."""
     import math
     what = "an integer" if kind is int else "a number"
+    def show(b) -> str:                 # 1048576, not 1.04858e+06
+        return str(b) if isinstance(b, int) else f"{b:g}"
     bound = ""
     if lo is not None:
-        bound = f" {'>' if lo_open else '>='} {lo:g}"
+        bound = f" {'>' if lo_open else '>='} {show(lo)}"
     if hi is not None:
-        bound += f"{' and' if bound else ''} <= {hi:g}"
+        bound += f"{' and' if bound else ''} <= {show(hi)}"
     try:
         x = kind(val)
     except (TypeError, ValueError):
