@@ -158,8 +158,36 @@ def step_small_files(side: Side, size: int, buf: bytes) -> None:
     side.out["small_files_2000"] = time.perf_counter() - t
 
 
+def _small_files_of(d: str, k: int, n: int) -> None:
+    for i in range(n):
+        with open(os.path.join(d, f"p{k}_{i}"), "wb") as f:
+            f.write(b"x" * 100)
+    for i in range(n):
+        os.stat(os.path.join(d, f"p{k}_{i}"))
+
+
+def step_small_files_4procs(side: Side, size: int, buf: bytes) -> None:
+    """The same 2,000 files made by 4 processes at once (as ranks write their own small
+    files), then one ``rmtree``: a FUSE daemon serves the four concurrently, ext4 takes its
+    directory lock for each create."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    d = side.path("small4")
+    t = time.perf_counter()
+    os.mkdir(d)
+    ps = [ctx.Process(target=_small_files_of, args=(d, k, 500)) for k in range(4)]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join()
+    if any(p.exitcode for p in ps):
+        raise RuntimeError(f"small-file writers failed: {[p.exitcode for p in ps]}")
+    shutil.rmtree(d)
+    side.out["small_files_2000_4procs"] = time.perf_counter() - t
+
+
 STEPS = (step_seq_write, step_cold_read, step_mmap_read, step_8_writers, step_8_readers,
-         step_small_files)
+         step_small_files, step_small_files_4procs)
 
 
 def figures(root: str, size: int, pid: int | None = None) -> dict:
@@ -205,7 +233,7 @@ def disk_ceiling(root: str, size: int) -> dict | None:
 
 
 TARGETS = {"seq_write_fsync": 0.9, "cold_seq_read": 0.9, "8_writers": 0.9, "8_readers": 0.9,
-           "random_4k_mmap_read": 0.8, "small_files_2000": 0.5}
+           "random_4k_mmap_read": 0.8, "small_files_2000": 0.5, "small_files_2000_4procs": 0.5}
 
 
 def main() -> int:
