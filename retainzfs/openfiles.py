@@ -91,14 +91,16 @@ class OpenFiles:
         """Append to the file's write buffer if that needs no device I/O; else None.
 
         Most writes take this path (one lock, an append); the writes that would fill the
-        buffer go through ``write``, which may flush."""
+        buffer, and every write while the device is full, go through ``write``, which may
+        flush."""
         s = self.s
         with s.lock:
             inode = s.ns.get_locked(ino)
             buf = inode.wbuf
             n = len(data)
             if (n == 0 or inode.flush_err is not None or (buf and off != buf.end)
-                    or len(buf) - inode.inflight + n >= s.opts.flush_bytes):
+                    or len(buf) - inode.inflight + n >= s.opts.flush_bytes
+                    or s._capacity_stop):
                 return None
             buf.append(off, data)
             inode.mtime = inode.ctime = now_ns()
@@ -128,7 +130,14 @@ class OpenFiles:
             if need_flush:
                 self.flush_data(ino, final=True)
                 continue
-            if full:
+            if s._capacity_stop:
+                # The device is full (a placement found no room, even after GC, and nothing
+                # was freed since): this write lands now or fails with ENOSPC itself, as on
+                # ext4, instead of being accepted and lost at close (``echo x > f`` in a shell
+                # never looks at close's error).  Its bytes are dropped on failure.
+                self.wait_flush(ino)
+                self.flush_data(ino, final=True)
+            elif full:
                 self.flush_background(ino)
             return n
 

@@ -408,6 +408,47 @@ def test_enospc_keeps_committed_files(make_image, mount_image):
         assert sha(m / name) == digest, name
 
 
+def test_a_full_device_fails_the_write_itself(make_image, mount_image):
+    """Once the device is full, a write fails with ENOSPC itself, not only the close after it:
+    ``echo x > f`` in a shell never looks at close's error, and wrote an empty file with exit
+    status 0.  After a deletion frees zones, writes are accepted (buffered) again, and what
+    was written before the device filled is intact after a remount."""
+    img = make_image(size="64M")
+    m = mount_image(img)
+    committed = {}
+    with pytest.raises(OSError) as ei:
+        for i in range(100):
+            data = random.Random(i).randbytes(4 * MiB)
+            with open(m / f"f{i}", "wb") as f:
+                f.write(data)
+                os.fsync(f.fileno())
+            committed[f"f{i}"] = sha_bytes(data)
+    assert ei.value.errno == errno.ENOSPC and m.status()["capacity_stop"]
+    sh = subprocess.run(["bash", "-c", f"echo hello > {m / 'note'}"], capture_output=True,
+                        text=True, timeout=30)
+    assert sh.returncode != 0 and "No space left on device" in sh.stderr, sh
+    fd = os.open(m / "small", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        with pytest.raises(OSError) as ei:
+            os.write(fd, b"x" * 100)
+        assert ei.value.errno == errno.ENOSPC
+    finally:
+        os.close(fd)                          # nothing was accepted: nothing to lose here
+    assert os.path.getsize(m / "small") == 0
+    for name in list(committed)[:3]:          # room again
+        os.unlink(m / name)
+        del committed[name]
+    time.sleep(0.2)
+    sh = subprocess.run(["bash", "-c", f"echo hello > {m / 'note'}"], capture_output=True,
+                        text=True, timeout=30)
+    assert sh.returncode == 0, sh
+    assert not m.status()["capacity_stop"]
+    m.remount()
+    assert (m / "note").read_text() == "hello\n"
+    for name, digest in committed.items():
+        assert sha(m / name) == digest, name
+
+
 # ---------------------------------------------------------------------------- bad input
 
 def one_line_error(p: subprocess.CompletedProcess, *needles: str) -> str:
