@@ -114,7 +114,9 @@ class OpenFiles:
         if n == 0:
             return 0
         s = self.s
-        while True:
+        if s._capacity_stop:
+            self.wait_flush(ino)       # an earlier flush's ENOSPC is reported before this
+        while True:                    # write's bytes are taken
             need_flush = False
             with s.lock:
                 inode = s.ns.get_locked(ino)
@@ -134,9 +136,10 @@ class OpenFiles:
                 # The device is full (a placement found no room, even after GC, and nothing
                 # was freed since): this write lands now or fails with ENOSPC itself, as on
                 # ext4, instead of being accepted and lost at close (``echo x > f`` in a shell
-                # never looks at close's error).  Its bytes are dropped on failure.
-                self.wait_flush(ino)
+                # never looks at close's error).  Its bytes are dropped on failure, and so
+                # when an earlier flush failed meanwhile (its error is then this write's).
                 self.flush_data(ino, final=True)
+                self.check_flush_error(ino)
             elif full:
                 self.flush_background(ino)
             return n

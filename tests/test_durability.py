@@ -439,6 +439,30 @@ def test_a_full_device_fails_the_write_itself(make_image, mount_image):
         os.unlink(m / name)
         del committed[name]
     time.sleep(0.2)
+    # a stream of 1 MiB writes (no fsync) into the room: the write that finds none fails
+    # itself, and the file holds a prefix of the stream, never the failed write's bytes
+    stream = random.Random(7).randbytes(64 * MiB)
+    fd = os.open(m / "stream", os.O_WRONLY | os.O_CREAT, 0o644)
+    failed_at = None
+    try:
+        for pos in range(0, len(stream), MiB):
+            try:
+                os.write(fd, stream[pos:pos + MiB])
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+                failed_at = pos
+                break
+        assert failed_at is not None, "64 MiB fit in 12 MiB"
+        assert os.fstat(fd).st_size <= failed_at
+    finally:
+        try:
+            os.close(fd)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    got = (m / "stream").read_bytes()
+    assert len(got) <= failed_at and got == stream[:len(got)]
+    os.unlink(m / "stream")
+    time.sleep(0.2)
     sh = subprocess.run(["bash", "-c", f"echo hello > {m / 'note'}"], capture_output=True,
                         text=True, timeout=30)
     assert sh.returncode == 0, sh
