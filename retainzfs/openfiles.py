@@ -114,9 +114,14 @@ class OpenFiles:
         if n == 0:
             return 0
         s = self.s
+        # An earlier background flush's error (parked) is this write's, reported before its
+        # bytes are taken (else the write failed with its bytes kept in the file's size); on
+        # a full device, after waiting for that flush.
         if s._capacity_stop:
-            self.wait_flush(ino)       # an earlier flush's ENOSPC is reported before this
-        while True:                    # write's bytes are taken
+            self.wait_flush(ino)
+        else:
+            self.check_flush_error(ino)
+        while True:
             need_flush = False
             with s.lock:
                 inode = s.ns.get_locked(ino)

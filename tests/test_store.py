@@ -879,6 +879,45 @@ def test_a_failed_data_write_leaves_the_zone_writable_and_loses_nothing_committe
         dev.close()
 
 
+def test_a_background_flush_error_fails_the_next_write_before_it_is_taken(tmp_path):
+    """A full buffer goes to its zone in the background; when that write fails (EIO here), the
+    next write of the file reports the error and its bytes are not taken: the file's size does
+    not grow past what was kept (the write failed with its bytes in the size before).  The
+    file is usable again after the error was reported, and what was committed before stays."""
+    path, dev, s = fresh(tmp_path, flush_bytes=256 * 1024)
+    first = os.urandom(300_000)
+    a = put(s, 1, b"a", first)
+    ino = s.create(1, b"b", 0o644).ino
+    s.open(ino)
+    real = dev.write_reserved
+
+    def broken(z, *args, **kw):               # data zones only: the journal still writes
+        if z >= s.sb.meta_zones:
+            raise OSError(errno.EIO, "injected")
+        return real(z, *args, **kw)
+    dev.write_reserved = broken
+    off = 0
+    with pytest.raises(OSError) as ei:
+        for _ in range(64):                   # until a write sees the background failure
+            s.write(ino, off, os.urandom(64 * 1024))
+            off += 64 * 1024
+            fut = s.inodes[ino].flushing
+            if fut is not None:
+                fut.result()
+    assert ei.value.errno == errno.EIO
+    dev.write_reserved = real
+    assert s.getattr(ino).size <= off          # the failed write's bytes were not taken
+    data = os.urandom(5000)
+    size = s.getattr(ino).size
+    s.write(ino, size, data)                  # usable again
+    s.commit(ino, durable=True)
+    s.release(ino)
+    assert s.read(ino, size, 5000) == data
+    assert read_all(s, a) == first
+    s.close()
+    dev.close()
+
+
 def test_xattr_create_and_replace_are_decided_with_the_change(tmp_path):
     """XATTR_CREATE / XATTR_REPLACE (``fs.setxattr`` passes them as ``create`` / ``replace``)
     are checked under the store lock with the change itself: of 8 threads racing to create one
