@@ -1,6 +1,7 @@
 """Store layer without FUSE: journal rolls, recovery, reclaim, GC and ENOSPC on a real image."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -43,6 +44,22 @@ def put(store, parent, name, data, durable=True, xattrs=None):
     store.commit(ino, durable=durable)
     store.release(ino)
     return ino
+
+
+@contextlib.contextmanager
+def data_writes_fail(dev, s, err: int = errno.EIO):
+    """Every write to a data zone fails with ``err`` meanwhile (the journal still writes)."""
+    real = dev.write_reserved
+
+    def broken(z, *args, **kw):
+        if z >= s.sb.meta_zones:
+            raise OSError(err, "injected")
+        return real(z, *args, **kw)
+    dev.write_reserved = broken
+    try:
+        yield
+    finally:
+        dev.write_reserved = real
 
 
 def read_all(store, ino):
@@ -850,20 +867,13 @@ def test_a_failed_data_write_leaves_the_zone_writable_and_loses_nothing_committe
     a = put(s, 1, b"a", first)
     zone = s.inodes[a].extents.lookup(0, 1)[0][1]
     wp = dev.zone(zone).wp
-    real = dev.write_reserved
-
-    def broken(z, *args, **kw):               # data zones only: the journal still writes
-        if z >= s.sb.meta_zones:
-            raise OSError(errno.EIO, "injected")
-        return real(z, *args, **kw)
-    dev.write_reserved = broken
     ino = s.create(1, b"b", 0o644).ino
     s.open(ino)
-    s.write(ino, 0, os.urandom(200_000))
-    with pytest.raises(OSError):
-        s.commit(ino, durable=True)
-    s.release(ino)
-    dev.write_reserved = real
+    with data_writes_fail(dev, s):
+        s.write(ino, 0, os.urandom(200_000))
+        with pytest.raises(OSError):
+            s.commit(ino, durable=True)
+        s.release(ino)
     assert dev.zone(zone).wp == wp and dev.pending(zone) == 0
     assert dev.zone(zone).cond != ZoneCond.FULL and s.status()["zone_finishes"] == 0
     second = os.urandom(100_000)
@@ -889,15 +899,8 @@ def test_a_background_flush_error_fails_the_next_write_before_it_is_taken(tmp_pa
     a = put(s, 1, b"a", first)
     ino = s.create(1, b"b", 0o644).ino
     s.open(ino)
-    real = dev.write_reserved
-
-    def broken(z, *args, **kw):               # data zones only: the journal still writes
-        if z >= s.sb.meta_zones:
-            raise OSError(errno.EIO, "injected")
-        return real(z, *args, **kw)
-    dev.write_reserved = broken
     off = 0
-    with pytest.raises(OSError) as ei:
+    with data_writes_fail(dev, s), pytest.raises(OSError) as ei:
         for _ in range(64):                   # until a write sees the background failure
             s.write(ino, off, os.urandom(64 * 1024))
             off += 64 * 1024
@@ -905,7 +908,6 @@ def test_a_background_flush_error_fails_the_next_write_before_it_is_taken(tmp_pa
             if fut is not None:
                 fut.result()
     assert ei.value.errno == errno.EIO
-    dev.write_reserved = real
     assert s.getattr(ino).size <= off          # the failed write's bytes were not taken
     data = os.urandom(5000)
     size = s.getattr(ino).size
