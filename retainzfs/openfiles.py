@@ -91,7 +91,7 @@ class OpenFiles:
         """Append to the file's write buffer if that needs no device I/O; else None.
 
         Most writes take this path (one lock, an append); the writes that would fill the
-        buffer, and every write while the device is full, go through ``write``, which may
+        buffer, and those ``_write_through_locked`` names, go through ``write``, which may
         flush."""
         s = self.s
         with s.lock:
@@ -100,7 +100,7 @@ class OpenFiles:
             n = len(data)
             if (n == 0 or inode.flush_err is not None or (buf and off != buf.end)
                     or len(buf) - inode.inflight + n >= s.opts.flush_bytes
-                    or s._capacity_stop):
+                    or self._write_through_locked(buf)):
                 return None
             buf.append(off, data)
             inode.mtime = inode.ctime = now_ns()
@@ -108,6 +108,18 @@ class OpenFiles:
                 inode.size = off + n
             inode.dirty = inode.policy_dirty = True
             return n
+
+    def _write_through_locked(self, buf) -> bool:
+        """A write that goes to a zone at once, so that it lands or fails with ENOSPC itself
+        (as on ext4) instead of being accepted and lost at close (``echo x > f`` in a shell
+        never looks at close's error): every write while the device is full (a placement
+        found no room, even after GC, and nothing was freed since), and the first write into
+        an empty buffer while no empty zone is left beyond the GC reserve (one synchronous
+        write per file and flush there; later writes buffer as usual; not for ``replay``,
+        ``inline_flush``, whose placement must not depend on it).  Store.lock held."""
+        s = self.s
+        return s._capacity_stop or (not buf and not s.opts.inline_flush
+                                    and s.alloc.empty_zones() <= s.opts.gc_reserve)
 
     def write(self, ino: int, off: int, data: bytes) -> int:
         n = len(data)
@@ -126,6 +138,7 @@ class OpenFiles:
             with s.lock:
                 inode = s.ns.get_locked(ino)
                 buf = inode.wbuf
+                through = self._write_through_locked(buf)
                 need_flush = not buf.append(off, data)
                 if not need_flush:
                     t = now_ns()
@@ -137,12 +150,10 @@ class OpenFiles:
             if need_flush:
                 self.flush_data(ino, final=True)
                 continue
-            if s._capacity_stop:
-                # The device is full (a placement found no room, even after GC, and nothing
-                # was freed since): this write lands now or fails with ENOSPC itself, as on
-                # ext4, instead of being accepted and lost at close (``echo x > f`` in a shell
-                # never looks at close's error).  Its bytes are dropped on failure, and so
-                # when an earlier flush failed meanwhile (its error is then this write's).
+            if through:
+                # lands now or fails with ENOSPC itself; its bytes are dropped on failure,
+                # and so when an earlier flush failed meanwhile (its error is then this
+                # write's)
                 self.flush_data(ino, final=True)
                 self.check_flush_error(ino)
             elif full:

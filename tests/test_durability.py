@@ -473,6 +473,46 @@ def test_a_full_device_fails_the_write_itself(make_image, mount_image):
         assert sha(m / name) == digest, name
 
 
+def test_the_write_that_finds_no_room_fails_itself(make_image, mount_image):
+    """With no empty zone left beyond the GC reserve, a file's first write goes to a zone at
+    once: when the device has no room at all, that write fails with ENOSPC itself even though
+    no placement has failed yet (no capacity stop), so a shell's ``echo x > f`` reports it
+    instead of leaving an empty file.  A deletion makes room again."""
+    img = make_image(size="64M")
+    m = mount_image(img)
+    committed = {}
+
+    def room() -> int:
+        st = os.statvfs(m)
+        return st.f_bavail * st.f_frsize
+
+    i = 0
+    while room() > 0:                         # fill every byte writers can get, fsynced
+        size = min(4 * MiB, room())
+        data = random.Random(i).randbytes(size)
+        with open(m / f"f{i}", "wb") as f:
+            f.write(data)
+            os.fsync(f.fileno())
+        committed[f"f{i}"] = sha_bytes(data)
+        i += 1
+    st = m.status()
+    assert not st["capacity_stop"] and st["enospc"] == 0, st    # no placement failed yet
+    sh = subprocess.run(["bash", "-c", f"echo hello > {m / 'note'}"], capture_output=True,
+                        text=True, timeout=30)
+    assert sh.returncode != 0 and "No space left on device" in sh.stderr, sh
+    assert os.path.getsize(m / "note") == 0
+    os.unlink(m / "f0")
+    del committed["f0"]
+    time.sleep(0.2)
+    sh = subprocess.run(["bash", "-c", f"echo hello > {m / 'note'}"], capture_output=True,
+                        text=True, timeout=30)
+    assert sh.returncode == 0, sh
+    m.remount()
+    assert (m / "note").read_text() == "hello\n"
+    for name, digest in committed.items():
+        assert sha(m / name) == digest, name
+
+
 # ---------------------------------------------------------------------------- bad input
 
 def one_line_error(p: subprocess.CompletedProcess, *needles: str) -> str:
