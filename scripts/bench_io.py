@@ -145,25 +145,22 @@ def step_8_readers(side: Side, size: int, buf: bytes) -> None:
         os.unlink(side.path(f"w{i}"))
 
 
-def step_small_files(side: Side, size: int, buf: bytes) -> None:
-    d = side.path("small")
-    t = time.perf_counter()
-    os.mkdir(d)
-    for i in range(2000):
-        with open(os.path.join(d, f"f{i}"), "wb") as f:
-            f.write(b"x" * 100)
-    for i in range(2000):
-        os.stat(os.path.join(d, f"f{i}"))
-    shutil.rmtree(d)
-    side.out["small_files_2000"] = time.perf_counter() - t
-
-
 def _small_files_of(d: str, k: int, n: int) -> None:
+    """Process ``k``'s share: ``n`` files of 100 bytes created in ``d``, then each stat'ed."""
     for i in range(n):
         with open(os.path.join(d, f"p{k}_{i}"), "wb") as f:
             f.write(b"x" * 100)
     for i in range(n):
         os.stat(os.path.join(d, f"p{k}_{i}"))
+
+
+def step_small_files(side: Side, size: int, buf: bytes) -> None:
+    d = side.path("small")
+    t = time.perf_counter()
+    os.mkdir(d)
+    _small_files_of(d, 0, 2000)
+    shutil.rmtree(d)
+    side.out["small_files_2000"] = time.perf_counter() - t
 
 
 def step_small_files_4procs(side: Side, size: int, buf: bytes) -> None:

@@ -408,6 +408,12 @@ def test_enospc_keeps_committed_files(make_image, mount_image):
         assert sha(m / name) == digest, name
 
 
+def shell_echo(path) -> subprocess.CompletedProcess:
+    """``echo hello > path`` in bash: a writer that never looks at close's error."""
+    return subprocess.run(["bash", "-c", f"echo hello > {path}"], capture_output=True,
+                          text=True, timeout=30)
+
+
 def test_a_full_device_fails_the_write_itself(make_image, mount_image):
     """Once the device is full, a write fails with ENOSPC itself, not only the close after it:
     ``echo x > f`` in a shell never looks at close's error, and wrote an empty file with exit
@@ -424,8 +430,7 @@ def test_a_full_device_fails_the_write_itself(make_image, mount_image):
                 os.fsync(f.fileno())
             committed[f"f{i}"] = sha_bytes(data)
     assert ei.value.errno == errno.ENOSPC and m.status()["capacity_stop"]
-    sh = subprocess.run(["bash", "-c", f"echo hello > {m / 'note'}"], capture_output=True,
-                        text=True, timeout=30)
+    sh = shell_echo(m / "note")
     assert sh.returncode != 0 and "No space left on device" in sh.stderr, sh
     fd = os.open(m / "small", os.O_WRONLY | os.O_CREAT, 0o644)
     try:
@@ -463,8 +468,7 @@ def test_a_full_device_fails_the_write_itself(make_image, mount_image):
     assert len(got) <= failed_at and got == stream[:len(got)]
     os.unlink(m / "stream")
     time.sleep(0.2)
-    sh = subprocess.run(["bash", "-c", f"echo hello > {m / 'note'}"], capture_output=True,
-                        text=True, timeout=30)
+    sh = shell_echo(m / "note")
     assert sh.returncode == 0, sh
     assert not m.status()["capacity_stop"]
     m.remount()
@@ -497,15 +501,13 @@ def test_the_write_that_finds_no_room_fails_itself(make_image, mount_image):
         i += 1
     st = m.status()
     assert not st["capacity_stop"] and st["enospc"] == 0, st    # no placement failed yet
-    sh = subprocess.run(["bash", "-c", f"echo hello > {m / 'note'}"], capture_output=True,
-                        text=True, timeout=30)
+    sh = shell_echo(m / "note")
     assert sh.returncode != 0 and "No space left on device" in sh.stderr, sh
     assert os.path.getsize(m / "note") == 0
     os.unlink(m / "f0")
     del committed["f0"]
     time.sleep(0.2)
-    sh = subprocess.run(["bash", "-c", f"echo hello > {m / 'note'}"], capture_output=True,
-                        text=True, timeout=30)
+    sh = shell_echo(m / "note")
     assert sh.returncode == 0, sh
     m.remount()
     assert (m / "note").read_text() == "hello\n"
