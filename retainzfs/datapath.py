@@ -154,7 +154,7 @@ class DataPath:
                                 pass
                 if zone is not None:
                     ent[1] += nbytes
-                    s._capacity_stop = False
+                    s.capacity_stop = False
             if zone is not None:
                 for z in finish:
                     self.finish_zone_iolocked(z)
@@ -172,7 +172,7 @@ class DataPath:
         s = self.s
         with s.lock:
             s.stats["enospc"] += 1
-            s._capacity_stop = True
+            s.capacity_stop = True
 
     def place_copy_iolocked(self, size: int, hint: H.Hint, victim: int) -> tuple[int, int]:
         """A zone for ``size`` padded bytes of a GC copy out of ``victim``: the GC reserve may

@@ -118,7 +118,7 @@ class OpenFiles:
         write per file and flush there; later writes buffer as usual; not for ``replay``,
         ``inline_flush``, whose placement must not depend on it).  Store.lock held."""
         s = self.s
-        return s._capacity_stop or (not buf and not s.opts.inline_flush
+        return s.capacity_stop or (not buf and not s.opts.inline_flush
                                     and s.alloc.empty_zones() <= s.opts.gc_reserve)
 
     def write(self, ino: int, off: int, data: bytes) -> int:
@@ -129,7 +129,7 @@ class OpenFiles:
         # An earlier background flush's error (parked) is this write's, reported before its
         # bytes are taken (else the write failed with its bytes kept in the file's size); on
         # a full device, after waiting for that flush.
-        if s._capacity_stop:
+        if s.capacity_stop:
             self.wait_flush(ino)
         else:
             self.check_flush_error(ino)

@@ -155,7 +155,7 @@ class Reclaim:
                 s.bad_zones.pop(z, None)
                 s.stats["zone_resets"] += 1
                 self.resetting.discard(z)
-            s._capacity_stop = False
+            s.capacity_stop = False
 
     def gc_once_iolocked(self) -> bool:
         """Copy the live data out of the best victim zone and reset it; False when no zone

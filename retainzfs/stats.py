@@ -141,7 +141,7 @@ class StoreStats:
                 "journal_rolls": s.journal.rolls,
                 "commits": st["commits"], "p99_commit_ms": round(p99, 3),
                 "mean_alloc_us": (a["ns"] / a["places"] / 1000.0) if a.get("places") else 0.0,
-                "capacity_stop": s._capacity_stop, "enospc": st["enospc"],
+                "capacity_stop": s.capacity_stop, "enospc": st["enospc"],
                 "gc_runs": st["gc_runs"], "gc_aborted": st["gc_aborted"],
                 "bad_zones": {str(z): {"reason": b["reason"], "files": b["files"]}
                               for z, b in sorted(s.bad_zones.items())},

@@ -190,7 +190,10 @@ class Store:
         self.tuning: dict = {}                  # kernel-side settings the mount made (status)
         # zone -> {"reason", "valid_upto", "files"}: zones a failure took out of service
         self.bad_zones: dict[int, dict] = {}
-        self._capacity_stop = False
+        # A placement found no room, even after GC, and nothing was freed since (set by
+        # DataPath, cleared by a placement or Reclaim's reset; read by OpenFiles' write-through
+        # rule and status).  Store.lock.
+        self.capacity_stop = False
         # Building 10^5..10^6 inodes allocates millions of objects and no garbage: the cyclic
         # collector's full passes would otherwise dominate the mount time.
         gc_was = gc.isenabled()
