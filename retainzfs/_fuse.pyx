@@ -544,7 +544,8 @@ cdef void h_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, long off,
         return
     try:
         try:
-            for name, a, cookie in _ops.readdir(fi.fh, off):
+            # an entry takes at least 152 bytes of the reply (fuse_entry_out + fuse_dirent)
+            for name, a, cookie in _ops.readdir(fi.fh, off, size // 152 + 2):
                 _fill_entry(&e, a, _ops.timeout)
                 n = fuse_add_direntry_plus(req, buf + used, size - used,
                                            <const char *><bytes>name, &e, cookie)

@@ -22,6 +22,7 @@ This module frames and reads; ``records.py`` says what records mean.
 """
 import errno
 import struct
+import time
 
 from crc32c import crc32c as _crc32c
 
@@ -504,6 +505,14 @@ class Journal:
         self.rolls = 0
         self.failed = None
         self.ensure_open = None         # store callback: make room within max_open for a zone
+        # Room kept at the end of the active pair for records of operations already accepted
+        # (and deletions) once neither a next pair nor a fresh snapshot is possible: while
+        # ``tight``, the store refuses whatever adds metadata (ENOSPC, as ext4 out of inodes)
+        # instead of accepting creates that no flush could ever write.
+        self.reserve = min(self.cap // 4, max(self.cap // 8, 32 * self.bs), 64 << 20)
+        self.tight = False
+        self._tight_log = -1            # log_bytes at the last roll that did not fit
+        self._tight_at = 0.0
 
     # -- state after mount
     def resume(self, st):
@@ -566,6 +575,8 @@ class Journal:
             raise OSError(errno.EIO, f"metadata log unusable after an earlier write error: "
                                      f"{self.failed}")
         if not self.pending:
+            if self.tight and self._retry_due():     # deletions may have made room
+                return self._roll_if_room(b"")
             return None
         raw = bytes(self.pending)
         self.pending = bytearray()
@@ -577,6 +588,10 @@ class Journal:
             # its cost (<= the log it replaces) keeps the journal O(records)
             return self._roll_plan(raw)
         if self.wp + size <= self.cap:
+            if self.cap - self.wp - size < self.reserve and not self._next_pair_ok():
+                plan = self._roll_if_room(raw)      # into the reserve: roll now, if it fits
+                if plan is not None:
+                    return plan
             return ("append", bodies, raw)
         free = self._free_pairs()
         est = self._pairs_for(max(self.snap_bytes, 1) * 5 // 4 + self.chunk)
@@ -589,10 +604,48 @@ class Journal:
         bodies = self._image_bodies()
         if len(self._free_pairs()) < self._pairs_for(self._size(bodies)):
             self.pending = bytearray(raw) + self.pending
+            self.tight = True
             raise OSError(errno.ENOSPC, f"metadata zones full: the snapshot needs "
                                         f"{self._pairs_for(self._size(bodies))} free zone pairs, "
                                         f"{len(self._free_pairs())} are free (mkfs --meta-zones)")
+        self.tight = False
         return ("roll", bodies, raw)
+
+    def _next_pair_ok(self):
+        """The log can go on in a fresh pair (``prepare``'s "next") when the active one fills."""
+        est = self._pairs_for(max(self.snap_bytes, 1) * 5 // 4 + self.chunk)
+        return len(self._free_pairs()) >= est + 2
+
+    def _roll_if_room(self, raw):
+        """A roll plan if a snapshot taken now fits the free pairs, else None and ``tight``.
+        Taking a snapshot costs a pass over the namespace (under its lock): while tight it is
+        tried again only once the log grew by a quarter of the reserve (deletions, mostly) or
+        five seconds passed with records."""
+        if self.tight and not self._retry_due():
+            return None
+        bodies = self._image_bodies()
+        if len(self._free_pairs()) >= self._pairs_for(self._size(bodies) + 2 * self.reserve):
+            self.tight = False
+            return ("roll", bodies, raw)
+        self.tight = True                 # it would not fit, or leave no room past its end
+        self._tight_log = self.log_bytes
+        self._tight_at = time.monotonic()
+        return None
+
+    def _retry_due(self):
+        return (self.log_bytes - self._tight_log >= self.reserve // 4
+                or time.monotonic() - self._tight_at >= 5.0)
+
+    def growth_ok(self):
+        """Records that add metadata (a new name, an xattr) may be accepted without a flush
+        deciding first: the log has room beyond the reserve for what is pending, or can go on
+        in a fresh pair.  False: ``tight``, or a flush must look (``prepare`` rolls or sets
+        ``tight``).  The caller holds the namespace lock."""
+        if self.tight:
+            return False
+        n = len(self.pending)
+        pending = n + self.bs * (1 + n // self.body_max)      # frame headers and padding
+        return self.wp + pending + self.reserve <= self.cap or self._next_pair_ok()
 
     def _image_bodies(self):
         """Frame bodies of a whole snapshot: SNAP_BEGIN, chunks, SNAP_END, small records

@@ -148,9 +148,10 @@ class Operations:
         self.store.getattr(ino)
         return ino
 
-    def readdir(self, fh: int, off: int):
-        """(name, Attrs, cookie) from cookie ``off`` on; ``_fuse`` stops when the reply is full."""
-        return self.store.readdir_stat(fh, off)
+    def readdir(self, fh: int, off: int, limit: int | None = None):
+        """(name, Attrs, cookie) from cookie ``off`` on, at most ``limit`` (what fits the
+        reply); ``_fuse`` stops when the reply is full."""
+        return self.store.readdir_stat(fh, off, limit)
 
     def fsyncdir(self, fh: int, datasync: bool) -> None:
         self.store.sync()
@@ -248,11 +249,20 @@ def serve(store: Store, ops: Operations, mountpoint: str, sync_interval: float =
     stop = threading.Event()
 
     def periodic_sync() -> None:
+        said = None                 # a failure repeated each interval is said once
         while not stop.wait(sync_interval):
             try:
                 store.sync()
+            except OSError as e:
+                if str(e) != said:
+                    log.error("periodic journal flush failed: %s", e)
+                said = str(e)
             except Exception:
                 log.exception("periodic journal flush failed")
+            else:
+                if said is not None:
+                    log.info("periodic journal flush succeeded again")
+                said = None
 
     def after_init() -> None:
         ops.initialized.wait()

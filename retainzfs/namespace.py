@@ -26,6 +26,7 @@ import json
 import stat
 import zlib
 from array import array
+from bisect import bisect_right
 from collections.abc import MutableMapping
 from types import MappingProxyType
 from typing import NamedTuple
@@ -84,7 +85,7 @@ def intern_hint(h) -> H.Hint | None:
 
 class Extra:
     __slots__ = ("rdev", "target", "xattrs", "policy_src", "placed_hint", "entries", "cookies",
-                 "next_cookie")
+                 "next_cookie", "order", "order_names", "order_dead")
 
     def __init__(self):
         self.rdev = 0
@@ -95,6 +96,11 @@ class Extra:
         self.entries = None
         self.cookies = None
         self.next_cookie = 3
+        # readdir's index: cookies ascending (appended: a new entry gets the next cookie) and
+        # their names; an unlinked entry stays as a tombstone until half of them are
+        self.order = None
+        self.order_names = None
+        self.order_dead = 0
 
 
 class RunState:
@@ -599,7 +605,32 @@ class Inode:
         if x.cookies is None:
             x.cookies = {n: 3 + i for i, n in enumerate(x.entries)}
             x.next_cookie = 3 + len(x.entries)
+            x.order = array("q", range(3, x.next_cookie))
+            x.order_names = list(x.entries)
+            x.order_dead = 0
         return x.cookies
+
+    def entries_after(self, start: int, limit: int | None = None) -> list[tuple[bytes, int]]:
+        """(name, cookie) of the entries with cookie > ``start``, in cookie order, at most
+        ``limit``: O(log n + what it returns), so listing a directory of 10^5 entries a reply
+        at a time is not quadratic (it took 150 s for 184,000 entries when every reply
+        walked the whole directory)."""
+        cookies = self.cookies
+        if not cookies:
+            return []
+        x = self._x
+        order, names = x.order, x.order_names
+        i = bisect_right(order, start)
+        out = []
+        n = len(order)
+        want = n if limit is None else limit
+        while i < n and len(out) < want:
+            name = names[i]
+            c = order[i]
+            if cookies.get(name) == c:
+                out.append((name, c))
+            i += 1
+        return out
 
     @property
     def next_cookie(self) -> int:
@@ -612,7 +643,11 @@ class Inode:
             raise NotADirectoryError(self.ino)
         x.entries[name] = ino
         if x.cookies is not None:
+            if name in x.cookies:           # replaced (rename over it): the old cookie is dead
+                x.order_dead += 1
             x.cookies[name] = x.next_cookie
+            x.order.append(x.next_cookie)
+            x.order_names.append(name)
             x.next_cookie += 1
 
     def unlink(self, name: bytes):
@@ -621,8 +656,13 @@ class Inode:
         if x is None or x.entries is None:
             raise KeyError(name)
         ino = x.entries.pop(name)
-        if x.cookies is not None:
-            x.cookies.pop(name, None)
+        if x.cookies is not None and x.cookies.pop(name, None) is not None:
+            x.order_dead += 1
+            if x.order_dead > 64 and 2 * x.order_dead > len(x.order):
+                live = [(c, n) for c, n in zip(x.order, x.order_names) if x.cookies.get(n) == c]
+                x.order = array("q", [c for c, _ in live])
+                x.order_names = [n for _, n in live]
+                x.order_dead = 0
         return ino
 
     # -- extents

@@ -91,7 +91,8 @@ class StoreStats:
             free = max(0, free - s.opts.gc_reserve * s.cap)
             return {"bsize": s.bs, "blocks": data_zones * s.cap // s.bs,
                     "bfree": free // s.bs, "files": len(s.inodes),
-                    "ffree": max(0, (1 << 32) - s.next_ino)}
+                    # no new name fits the metadata zones (``df -i``: none free)
+                    "ffree": 0 if s.journal.tight else max(0, (1 << 32) - s.next_ino)}
 
     def status(self) -> dict:
         s = self.s
@@ -139,6 +140,7 @@ class StoreStats:
                 "gc_copied_bytes": st["gc_copied_bytes"],
                 "journal_bytes": s.journal.bytes_written,
                 "journal_rolls": s.journal.rolls,
+                "metadata_full": s.journal.tight,
                 "commits": st["commits"], "p99_commit_ms": round(p99, 3),
                 "mean_alloc_us": (a["ns"] / a["places"] / 1000.0) if a.get("places") else 0.0,
                 "capacity_stop": s.capacity_stop, "enospc": st["enospc"],

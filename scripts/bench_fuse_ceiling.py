@@ -331,10 +331,12 @@ def serve_binding(mnt: str) -> int:
         def opendir(self, ino):
             return ino
 
-        def readdir(self, fh, start):
-            items = list(self._node(fh).children.items())
-            return [(name, self._attr(self.nodes[ino]), i + 1)
-                    for i, (name, ino) in enumerate(items) if i >= start]
+        def readdir(self, fh, start, limit=None):
+            items = list(self._node(fh).children.items())[start:]
+            if limit is not None:
+                items = items[:limit]
+            return [(name, self._attr(self.nodes[ino]), start + i + 1)
+                    for i, (name, ino) in enumerate(items)]
 
         def counted(self, ino):
             pass

@@ -97,3 +97,42 @@ def test_table_matches_a_dict_model(bits, ops):
     for ino in list(model):
         del t[ino]
     assert not t.pages and len(t) == 0
+
+
+# ---------------------------------------------------------------------------- readdir index
+dir_op_s = st.one_of(
+    st.tuples(st.just("link"), st.integers(0, 60)),
+    st.tuples(st.just("unlink"), st.integers(0, 60)),
+    st.tuples(st.just("list"), st.integers(0, 200), st.none() | st.integers(0, 70)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 150), st.lists(dir_op_s, max_size=400))
+def test_readdir_index_matches_a_model(first, ops):
+    """``entries_after`` (bisect over cookies, tombstones, compaction past 64 dead) against a
+    dict of name -> cookie: same entries, cookie order, never more than the limit; a name
+    linked again (rename over it) gets a new cookie.  Directories of 0 / some / >64 entries
+    before the index is built (the first readdir)."""
+    t = InodeTable(4)
+    d = t.new(1, stat.S_IFDIR | 0o755)
+    for i in range(first):
+        d.link(b"p%d" % i, 100 + i)
+    model = {b"p%d" % i: 3 + i for i in range(first)}
+    assert d.entries_after(0) == sorted(model.items(), key=lambda kv: kv[1])
+    for op in ops:
+        if op[0] == "link":
+            name = b"n%d" % op[1]
+            d.link(name, 1000 + op[1])
+            model[name] = d.next_cookie - 1
+        elif op[0] == "unlink":
+            name = b"n%d" % op[1] if op[1] % 3 else b"p%d" % op[1]
+            if name in model:
+                d.unlink(name)
+                del model[name]
+        else:
+            _, start, limit = op
+            want = sorted(((n, c) for n, c in model.items() if c > start), key=lambda kv: kv[1])
+            assert d.entries_after(start, limit) == want[:limit], (start, limit)
+    assert d.entries_after(0) == sorted(model.items(), key=lambda kv: kv[1])
+    assert set(d.entries) == set(model)
