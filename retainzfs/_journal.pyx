@@ -624,7 +624,9 @@ class Journal:
         if self.tight and not self._retry_due():
             return None
         bodies = self._image_bodies()
-        if len(self._free_pairs()) >= self._pairs_for(self._size(bodies) + 2 * self.reserve):
+        # room past the reserve (half as much again), so growth goes on for a while before
+        # the next snapshot is tried
+        if len(self._free_pairs()) >= self._pairs_for(self._size(bodies) + self.reserve * 3 // 2):
             self.tight = False
             return ("roll", bodies, raw)
         self.tight = True                 # it would not fit, or leave no room past its end
