@@ -69,6 +69,9 @@ class StoreCollector:
             yield c
         yield GaugeMetricFamily("retainzfs_capacity_stop", "1 after an ENOSPC until space is "
                                 "freed", value=1.0 if st["capacity_stop"] else 0.0)
+        yield GaugeMetricFamily("retainzfs_metadata_full", "1 while new names are refused: "
+                                "the metadata zones hold no more",
+                                value=1.0 if st["metadata_full"] else 0.0)
         d = st.get("daemon") or {}
         if d:
             yield GaugeMetricFamily("retainzfs_daemon_peak_resident_bytes",
