@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import re
@@ -36,10 +37,13 @@ from typing import NamedTuple, Union
 import crc32c as _crc32c
 
 from . import _iobuf
+from .errors import FsError
 from .zonestate import (_ACTIVE, _CLOSED, _COND_OF, _EMPTY, _EXP_OPEN, _FULL, _IMP_OPEN,  # noqa: F401
                         _NOT_WP, _OFFLINE, _OP_CLOSE, _OP_FINISH, _OP_OPEN, _OP_RESET, _OPEN,
                         _READONLY, _VALID_COND, DeviceError, Zone, ZoneCond, _err)
 from .zonewrites import ZoneWrites
+
+log = logging.getLogger("retainzfs")
 
 __all__ = [
     "DeviceError", "ZoneCond", "Zone", "ZonedDevice", "ImageZonedDevice", "BlockZonedDevice",
@@ -134,6 +138,12 @@ class ZonedDevice(ZoneWrites, ABC):
 
     def _after_mgmt(self, op: str, zone: int, old_wp: int) -> None:
         """Hook after a management command updated the cache (images: discard data)."""
+
+    def keep_allocated(self, zones: range) -> int:
+        """Keep the medium's space for ``zones`` (the metadata zones) allocated, so their
+        writes cannot fail for want of room below the device: 0, or the errno that stopped
+        it.  Only an image, on a host file system that can fill, needs it."""
+        return 0
 
     @abstractmethod
     def flush(self) -> None:
@@ -568,8 +578,8 @@ def _open_locked(path: str, flags: int, what: str = "zoned image") -> int:
 _libc_fallocate = None
 
 
-def _punch_hole(fd: int, off: int, length: int) -> bool:
-    """Deallocate a file range (FALLOC_FL_PUNCH_HOLE|KEEP_SIZE); False when unsupported."""
+def _fallocate(fd: int, mode: int, off: int, length: int) -> int:
+    """fallocate(2): 0, or the errno (EOPNOTSUPP where libc has none)."""
     global _libc_fallocate
     if _libc_fallocate is None:
         try:
@@ -582,8 +592,17 @@ def _punch_hole(fd: int, off: int, length: int) -> bool:
         except (OSError, AttributeError):
             _libc_fallocate = False
     if not _libc_fallocate:
-        return False
-    return _libc_fallocate(fd, 0x01 | 0x02, off, length) == 0
+        return errno.EOPNOTSUPP
+    import ctypes
+    return 0 if _libc_fallocate(fd, mode, off, length) == 0 else ctypes.get_errno()
+
+
+_FALLOC_KEEP_SIZE, _FALLOC_PUNCH_HOLE = 0x01, 0x02
+
+
+def _punch_hole(fd: int, off: int, length: int) -> bool:
+    """Deallocate a file range (FALLOC_FL_PUNCH_HOLE|KEEP_SIZE); False when unsupported."""
+    return _fallocate(fd, _FALLOC_PUNCH_HOLE | _FALLOC_KEEP_SIZE, off, length) == 0
 
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -642,6 +661,8 @@ class ImageZonedDevice(ZonedDevice):
 
     _dio: "_DirectIO | None" = None
     _dfd = -1
+    _kept: frozenset = frozenset()      # zones whose blocks stay allocated (keep_allocated)
+    _host_full = False                  # the last zone write found the host file system full
     parallel_writes = True      # a file takes writes anywhere, at any time
 
     def __init__(self, path: str | os.PathLike[str], direct: bool = False) -> None:
@@ -752,6 +773,21 @@ class ImageZonedDevice(ZonedDevice):
     # -- hooks -------------------------------------------------------------------------
 
     def _io_write(self, zone: int, wp: int, data: Buffer, n: int) -> None:
+        try:
+            self._io_write_host(zone, wp, data, n)
+        except OSError as e:
+            if e.errno != errno.ENOSPC or isinstance(e, FsError):
+                raise
+            # the host file system under the image is full: the writer's ENOSPC (the zone
+            # write is taken back), said once per episode, not an I/O error with a traceback
+            if not self._host_full:
+                self._host_full = True
+                log.warning("%s: the host file system is full; writes fail with ENOSPC "
+                            "until space is freed there or files are deleted here", self.path)
+            raise FsError(errno.ENOSPC, f"{self.path}: host file system full") from None
+        self._host_full = False
+
+    def _io_write_host(self, zone: int, wp: int, data: Buffer, n: int) -> None:
         off = self._data_off + (zone << self._zshift) + wp
         if self._dio is not None and n >= _IMAGE_DIRECT_MIN:
             self._dio.pwrite(off, data, n)
@@ -811,6 +847,21 @@ class ImageZonedDevice(ZonedDevice):
                 zeros = bytes(min(old_wp, 4 * MiB))
                 for pos in range(0, old_wp, len(zeros)):
                     os.pwrite(self._fd, zeros[:old_wp - pos], off + pos)
+            elif zone in self._kept:        # zeros again, still the image's own blocks
+                _fallocate(self._fd, _FALLOC_KEEP_SIZE, off, self.zone_size)
+
+    def keep_allocated(self, zones: range) -> int:
+        """The metadata zones' blocks stay allocated in the image (``fallocate``, again after
+        each reset's hole punch): on a host file system that fills up, a journal frame would
+        otherwise fail for want of host space, and the journal refuses every write after a
+        failed one (a 512 MiB image on an 80 MiB tmpfs: every unlink then failed with EIO)."""
+        self._kept = frozenset(zones)
+        for z in zones:
+            err = _fallocate(self._fd, _FALLOC_KEEP_SIZE, self._data_off + (z << self._zshift),
+                             self.zone_size)
+            if err:
+                return err
+        return 0
 
     def _reload(self) -> None:
         wps, conds, self.damaged = self._read_table(self.path, self._fd, self._table_off,

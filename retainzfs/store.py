@@ -35,6 +35,7 @@ import errno
 import gc
 import logging
 import math
+import os
 import stat
 import threading
 import time
@@ -123,6 +124,9 @@ class Store:
         if dev.max_active and dev.max_active < 4:
             raise FsError(errno.EINVAL, f"device allows {dev.max_active} active zones; need at "
                                         f"least 4 (a metadata pair and two data zones)")
+        err = dev.keep_allocated(range(meta_zones))
+        if err and err != errno.EOPNOTSUPP:
+            raise FsError(err, f"cannot allocate the metadata zones: {os.strerror(err)}")
         sb = Superblock.new(dev, meta_zones, allocator, gc_reserve)
         for z in range(meta_zones, dev.nr_zones):
             if dev.zone(z).wp or dev.zone(z).cond != ZoneCond.EMPTY:
@@ -151,6 +155,11 @@ class Store:
             raise FormatError(f"metadata damaged beyond its mirror ({info.corrupt}); refusing "
                               f"to mount read-write (mount -o ro serves what is provably intact)")
         self.meta_zones = sb.meta_zones
+        if not opts.readonly:
+            err = dev.keep_allocated(range(sb.meta_zones))
+            if err and err != errno.EOPNOTSUPP:
+                log.warning("metadata zones not preallocated (%s): a journal write may fail "
+                            "if the host file system fills", os.strerror(err))
         self.bs = dev.block_size
         self.cap = dev.zone_capacity
         self.inodes: NS.InodeTable = NS.InodeTable()

@@ -1258,3 +1258,30 @@ def test_a_failed_write_is_taken_back_and_the_zone_takes_the_retry(img, monkeypa
     assert img.cancel(6, b, BS)                   # the last one can go
     _reserved_write(img, 6, a, blk(1, 0x33))
     assert img.zone(6).wp == 3 * BS and img.pending(6) == 0
+
+
+def test_kept_zones_stay_allocated_across_resets(tmp_path):
+    """``keep_allocated``: the metadata zones' blocks are the image's own from the start and
+    again after a reset punched them out (they read as zeros), so a journal frame cannot fail
+    for want of host space; other zones are punched and given back as before."""
+    dev = create_image(str(tmp_path / "k.zns"), 16 * MiB, 1 * MiB, max_open=4, max_active=4)
+
+    def blocks() -> int:
+        return os.fstat(dev._fd).st_blocks * 512
+
+    try:
+        b0 = blocks()
+        assert dev.keep_allocated(range(2)) == 0
+        b1 = blocks()
+        assert b1 - b0 >= 2 * MiB
+        dev.write(5, 0, b"\xab" * (256 * 1024))
+        assert blocks() - b1 >= 256 * 1024
+        dev.reset(5)
+        assert blocks() == b1                 # zone 5 went back to the host
+        dev.write(0, 0, b"\xcd" * (256 * 1024))
+        assert blocks() == b1                 # written into its own blocks
+        dev.reset(0)
+        assert blocks() == b1                 # punched, and allocated again
+        assert os.pread(dev._fd, 256 * 1024, dev._data_off) == bytes(256 * 1024)
+    finally:
+        dev.close()

@@ -576,6 +576,66 @@ def test_full_metadata_zones_refuse_new_names_and_lose_none(make_image, mount_im
     assert_fsck_clean(img)
 
 
+@pytest.fixture
+def small_host(tmp_path):
+    """A 48 MiB tmpfs: a host file system that fills up under a larger sparse image."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("a tmpfs mount needs root (CI=true: this test must run)")
+        pytest.skip("a tmpfs mount needs root")
+    host = tmp_path / "host"
+    host.mkdir()
+    run("mount", "-t", "tmpfs", "-o", "size=48M", "tmpfs", host)
+    yield host
+    subprocess.run(["umount", "-l", str(host)], capture_output=True)
+
+
+def test_a_full_host_file_system_is_enospc_and_deletes_still_work(small_host, mount_image):
+    """An image whose host file system fills: data writes fail with ENOSPC, the metadata
+    zones keep their blocks (preallocated, again after each reset), so deletions and
+    journal frames still land and free host space for later writes.  Before, a journal
+    frame failed for want of host space and the journal refused everything after it: every
+    later unlink and close failed with EIO until a remount."""
+    big = small_host / "big.zns"            # metadata zones of 4 x 16 MiB cannot fit: one line
+    p = run(MKFS, "--size", "1G", "--zone-size", "16M", "--quiet", big, check=False)
+    assert p.returncode != 0 and "No space left on device" in p.stderr, p
+    assert len(p.stderr.strip().splitlines()) == 1 and not big.exists()
+    img = small_host / "img.zns"
+    run(MKFS, "--size", "256M", "--zone-size", "2M", "--quiet", img)
+    m = mount_image(img)
+    acked = {}
+    for i in range(40):
+        data = random.Random(i).randbytes(2 * MiB)
+        try:
+            with open(m / f"f{i}", "wb") as f:
+                f.write(data)
+                os.fsync(f.fileno())
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+            break
+        acked[f"f{i}"] = sha_bytes(data)
+    else:
+        pytest.fail("the 48 MiB host never filled")
+    assert 5 < len(acked) < 24, len(acked)
+    for name in list(acked)[:4]:
+        os.unlink(m / name)                       # EIO before: the journal was unusable
+        del acked[name]
+    for _ in range(50):                           # the resets give host space back
+        if m.status()["reclaimable_bytes"] == 0:
+            break
+        time.sleep(0.1)
+    data = random.Random(99).randbytes(2 * MiB)
+    with open(m / "after", "wb") as f:
+        f.write(data)
+        os.fsync(f.fileno())
+    acked["after"] = sha_bytes(data)
+    m.remount()
+    for name, digest in acked.items():
+        assert sha(m / name) == digest, name
+    m.umount()
+    assert_fsck_clean(img)
+
+
 # ---------------------------------------------------------------------------- bad input
 
 def one_line_error(p: subprocess.CompletedProcess, *needles: str) -> str:

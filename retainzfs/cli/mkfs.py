@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import stat
 import sys
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.size:
             if os.path.exists(args.target) and stat.S_ISBLK(os.stat(args.target).st_mode):
                 die("--size creates an image file; it cannot be used with a block device")
+            created = not os.path.exists(args.target)
             dev = create_image(args.target, parse_size(args.size), parse_size(args.zone_size),
                                parse_size(args.zone_capacity) if args.zone_capacity else None,
                                args.max_open, args.max_active, parse_size(args.block_size),
@@ -81,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         sb = Store.format(dev, meta_zones=args.meta_zones, allocator=args.allocator,
                           gc_reserve=args.gc_reserve)
     except (FsError, OSError) as e:
+        dev.close()
+        if args.size and created:          # no half-made image left behind (a full host)
+            with contextlib.suppress(OSError):
+                os.unlink(args.target)
         die(f"{args.target}: {e.strerror if isinstance(e, OSError) and e.strerror else e}")
     finally:
         dev.close()
