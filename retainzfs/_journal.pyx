@@ -589,7 +589,7 @@ class Journal:
             return self._roll_plan(raw)
         if self.wp + size <= self.cap:
             if self.cap - self.wp - size < self.reserve and not self._next_pair_ok():
-                plan = self._roll_if_room(raw)      # into the reserve: roll now, if it fits
+                plan = self._roll_if_room(raw, size)    # into the reserve: roll now, if it fits
                 if plan is not None:
                     return plan
             return ("append", bodies, raw)
@@ -616,12 +616,11 @@ class Journal:
         est = self._pairs_for(max(self.snap_bytes, 1) * 5 // 4 + self.chunk)
         return len(self._free_pairs()) >= est + 2
 
-    def _roll_if_room(self, raw):
+    def _roll_if_room(self, raw, adding=0):
         """A roll plan if a snapshot taken now fits the free pairs, else None and ``tight``.
         Taking a snapshot costs a pass over the namespace (under its lock): while tight it is
-        tried again only once the log grew by a quarter of the reserve (deletions, mostly) or
-        five seconds passed with records."""
-        if self.tight and not self._retry_due():
+        tried again only when ``_retry_due``."""
+        if self.tight and not self._retry_due(adding):
             return None
         bodies = self._image_bodies()
         # room past the reserve (half as much again), so growth goes on for a while before
@@ -630,12 +629,15 @@ class Journal:
             self.tight = False
             return ("roll", bodies, raw)
         self.tight = True                 # it would not fit, or leave no room past its end
-        self._tight_log = self.log_bytes
+        self._tight_log = self.log_bytes + adding
         self._tight_at = time.monotonic()
         return None
 
-    def _retry_due(self):
-        return (self.log_bytes - self._tight_log >= self.reserve // 4
+    def _retry_due(self, adding=0):
+        """A tight journal tries a snapshot again: the log (with ``adding`` bytes about to be
+        appended: deletions not yet flushed count too) grew by a quarter of the reserve since
+        the last try, or five seconds passed."""
+        return (self.log_bytes + adding - self._tight_log >= self.reserve // 4
                 or time.monotonic() - self._tight_at >= 5.0)
 
     def growth_ok(self):
