@@ -546,6 +546,7 @@ def test_full_metadata_zones_refuse_new_names_and_lose_none(make_image, mount_im
     acked = [n for names in made for n in names]
     assert errs == [errno.ENOSPC] * 4 and 1000 < len(acked) < 400_000, (errs, len(acked))
     assert os.statvfs(m).f_ffree == 0 and m.status()["metadata_full"]
+    assert "metadata full" in run(RETAINZFS, "status", m).stdout
     for make in (lambda: os.mkdir(m / "nd"), lambda: os.symlink("x", m / "sl"),
                  lambda: os.link(m / acked[0], m / "hl"),
                  lambda: xattr.setxattr(m / acked[0], b"user.k", b"v" * 100)):

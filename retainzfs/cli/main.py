@@ -111,6 +111,9 @@ def print_status(st: dict, path: str) -> None:
                             f"{d['threads']} threads")
     if st.get("capacity_stop"):
         t.add_row("capacity stop", f"yes ({st.get('enospc', 0)} ENOSPC)", style="red")
+    if st.get("metadata_full"):
+        t.add_row("metadata full", "yes: new names fail with ENOSPC until files are deleted "
+                                   "(mkfs --meta-zones)", style="red")
     for p, err in (st.get("policy_errors") or {}).items():
         t.add_row("policy error", f"{p}: {err}", style="red")
     for z, bad in (st.get("bad_zones") or {}).items():
