@@ -593,9 +593,7 @@ class Journal:
                 if plan is not None:
                     return plan
             return ("append", bodies, raw)
-        free = self._free_pairs()
-        est = self._pairs_for(max(self.snap_bytes, 1) * 5 // 4 + self.chunk)
-        if (self.log_bytes + size >= self.snap_bytes or len(free) < est + 2
+        if (self.log_bytes + size >= self.snap_bytes or not self._next_pair_ok()
                 or frame_size(len(self._super_body()), self.bs) + size > self.cap):
             return self._roll_plan(raw)
         return ("next", bodies, raw)
@@ -604,7 +602,7 @@ class Journal:
         bodies = self._image_bodies()
         if len(self._free_pairs()) < self._pairs_for(self._size(bodies)):
             self.pending = bytearray(raw) + self.pending
-            self.tight = True
+            self._set_tight(0)
             raise OSError(errno.ENOSPC, f"metadata zones full: the snapshot needs "
                                         f"{self._pairs_for(self._size(bodies))} free zone pairs, "
                                         f"{len(self._free_pairs())} are free (mkfs --meta-zones)")
@@ -628,10 +626,14 @@ class Journal:
         if len(self._free_pairs()) >= self._pairs_for(self._size(bodies) + self.reserve * 3 // 2):
             self.tight = False
             return ("roll", bodies, raw)
-        self.tight = True                 # it would not fit, or leave no room past its end
+        self._set_tight(adding)           # it would not fit, or leave no room past its end
+        return None
+
+    def _set_tight(self, adding):
+        """No snapshot fits: refuse growth, and note when it was tried (``_retry_due``)."""
+        self.tight = True
         self._tight_log = self.log_bytes + adding
         self._tight_at = time.monotonic()
-        return None
 
     def _retry_due(self, adding=0):
         """A tight journal tries a snapshot again: the log (with ``adding`` bytes about to be

@@ -5,7 +5,8 @@ Every method here either takes ``Store.lock`` itself (the public ones, called by
 needs it held (``_locked``); none does device I/O except what it delegates: a ``.retainz`` is read
 through the data path, deletions queue zones for the reclaim part, which resets them after the
 caller released the lock, and ``room`` (before an operation that adds metadata, no lock held)
-may flush the journal under ``io_lock`` when its last pair nears full.  State mutations are journal records applied by ``Store.do_locked``.
+may flush the journal under ``io_lock`` when its last pair nears full.  State mutations are
+journal records applied by ``Store.do_locked``.
 """
 from __future__ import annotations
 
