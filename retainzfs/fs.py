@@ -242,17 +242,18 @@ def mount(ops: Operations, mountpoint: str, options: set[str]) -> None:
 
 
 def serve(store: Store, ops: Operations, mountpoint: str, sync_interval: float = 1.0,
-          ready=None, max_threads: int = 64) -> int:
-    """Answer requests until unmounted or signalled (see ``_fuse.serve``); the journal is made
-    durable every ``sync_interval`` seconds meanwhile.  ``ready`` runs once the kernel has
-    processed our INIT reply: a STATFS of the mount waits for that, in the kernel."""
+          ready=None, max_threads: int = 64, idle=None) -> int:
+    """Answer requests until unmounted or signalled (see ``_fuse.serve``); old write buffers
+    are written and the journal made durable every ``sync_interval`` seconds meanwhile.  ``ready`` runs once the kernel has
+    processed our INIT reply: a STATFS of the mount waits for that, in the kernel.  ``idle(store)``
+    runs after each periodic sync (the daemon's heap trim)."""
     stop = threading.Event()
 
     def periodic_sync() -> None:
         said = None                 # a failure repeated each interval is said once
         while not stop.wait(sync_interval):
             try:
-                store.sync()
+                store.periodic_sync()
             except OSError as e:
                 if str(e) != said:
                     log.error("periodic journal flush failed: %s", e)
@@ -263,6 +264,11 @@ def serve(store: Store, ops: Operations, mountpoint: str, sync_interval: float =
                 if said is not None:
                     log.info("periodic journal flush succeeded again")
                 said = None
+            if idle is not None:
+                try:
+                    idle(store)
+                except Exception:
+                    log.exception("periodic idle hook")
 
     def after_init() -> None:
         ops.initialized.wait()

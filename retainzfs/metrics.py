@@ -72,6 +72,9 @@ class StoreCollector:
         yield GaugeMetricFamily("retainzfs_metadata_full", "1 while new names are refused: "
                                 "the metadata zones hold no more",
                                 value=1.0 if st["metadata_full"] else 0.0)
+        yield GaugeMetricFamily("retainzfs_buffered_bytes", "Bytes written to open files and "
+                                "not yet on the device (bounded by the dirty_bytes option)",
+                                value=float(st["buffered_bytes"]))
         d = st.get("daemon") or {}
         if d:
             yield GaugeMetricFamily("retainzfs_daemon_peak_resident_bytes",

@@ -2,7 +2,13 @@
 
 Owns the ``rz-flush`` workers (two; at most two zone writes of a file in flight,
 ``Inode.flushing``/``flushing_prev``) and the per-inode buffer state (``wbuf``, ``inflight``,
-``flush_turn``, ``flush_err``, ``dirty``).  Buffered bytes go to zones through the data path's
+``flush_turn``, ``flush_err``, ``dirty``), and the bounds on buffered bytes that the kernel
+keeps for its own dirty pages: all files together hold at most ``StoreOptions.dirty_bytes``
+(past it a writer writes its own buffer out before it returns: the daemon's memory does not
+grow with the number of files being written), and a buffer older than
+``StoreOptions.dirty_expire`` seconds is committed by the periodic sync (``writeback``: a file
+held open and written slowly, a training log, is on the device within that time, as ext4
+writes dirty pages back within 30 s).  Buffered bytes go to zones through the data path's
 write loop (``flush_data``: take bytes and a turn under Store.lock, stage them with no lock,
 wait for the turn, then io_lock, then Store.lock for the bookkeeping).  ``buffer_write``,
 ``flush_clean`` and ``release_clean`` are the CPU-only fast paths: Store.lock only, no I/O.
@@ -12,6 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from time import time_ns as now_ns
 
@@ -33,6 +40,12 @@ class OpenFiles:
         # 2.7 in flight on average with 8 writers (1.4 with two workers).
         self.flusher = ThreadPoolExecutor(max_workers=FLUSH_WORKERS, thread_name_prefix="rz-flush")
         self._busy = 0                        # background flushes queued or running (Store.lock)
+        # Store.lock: bytes in write buffers (added on append, taken off when a flush drops
+        # them; a buffer cleared otherwise is taken off at the next ``writeback`` recount, so
+        # this may be high for a moment, never low for long), and the files with buffered
+        # bytes, oldest first, with the monotonic time their buffer was last empty.
+        self.buffered = 0
+        self.dirty_since: dict[int, float] = {}
 
     def open(self, ino: int, truncate: bool = False):
         if truncate:
@@ -100,14 +113,23 @@ class OpenFiles:
             n = len(data)
             if (n == 0 or inode.flush_err is not None or (buf and off != buf.end)
                     or len(buf) - inode.inflight + n >= s.opts.flush_bytes
+                    or self.buffered + n > s.opts.dirty_bytes
                     or self._write_through_locked(buf)):
                 return None
+            self._note_locked(ino, buf, n)
             buf.append(off, data)
             inode.mtime = inode.ctime = now_ns()
             if off + n > inode.size:
                 inode.size = off + n
             inode.dirty = inode.policy_dirty = True
             return n
+
+    def _note_locked(self, ino: int, buf, n: int) -> None:
+        """Count ``n`` bytes about to be appended to ``buf`` (Store.lock held)."""
+        if not buf:
+            self.dirty_since.pop(ino, None)           # re-inserted last: oldest stay first
+            self.dirty_since[ino] = time.monotonic()
+        self.buffered += n
 
     def _write_through_locked(self, buf) -> bool:
         """A write that goes to a zone at once, so that it lands or fails with ENOSPC itself
@@ -139,8 +161,14 @@ class OpenFiles:
                 inode = s.ns.get_locked(ino)
                 buf = inode.wbuf
                 through = self._write_through_locked(buf)
+                was_empty = not buf
                 need_flush = not buf.append(off, data)
                 if not need_flush:
+                    if was_empty:
+                        self.dirty_since.pop(ino, None)
+                        self.dirty_since[ino] = time.monotonic()
+                    self.buffered += n
+                    over = (self.buffered > s.opts.dirty_bytes and not s.opts.inline_flush)
                     t = now_ns()
                     inode.mtime = inode.ctime = t
                     if off + n > inode.size:
@@ -156,6 +184,10 @@ class OpenFiles:
                 # write's)
                 self.flush_data(ino, final=True)
                 self.check_flush_error(ino)
+            elif over:
+                # all buffers together are at the bound: this writer's bytes go out before it
+                # returns (throttled to the device, as the kernel throttles a dirtier)
+                self.flush_data(ino, final=False)
             elif full:
                 self.flush_background(ino)
             return n
@@ -204,6 +236,35 @@ class OpenFiles:
         finally:
             with s.lock:
                 self._busy -= 1
+
+    def writeback(self, now: float | None = None) -> int:
+        """Commit the files whose buffered bytes are older than ``dirty_expire`` (the periodic
+        sync calls this before it makes the journal durable); recount ``buffered``.  An error
+        is parked for the file's writer (its next write, fsync or close reports it), as a
+        background flush's is.  Returns the number of files committed.  No lock held."""
+        s = self.s
+        now = time.monotonic() if now is None else now
+        due = []
+        with s.lock:
+            total = 0
+            for ino, since in list(self.dirty_since.items()):
+                inode = s.inodes.get(ino)
+                if inode is None or not inode.has_buffered():
+                    del self.dirty_since[ino]
+                    continue
+                total += len(inode.wbuf)
+                if now - since >= s.opts.dirty_expire:
+                    due.append(ino)
+            self.buffered = total
+        for ino in due:
+            try:
+                s.commit(ino, durable=False, check_policy=False)
+            except OSError as e:
+                with s.lock:
+                    inode = s.inodes.get(ino)
+                    if inode is not None and inode.flush_err is None:
+                        inode.flush_err = e
+        return len(due)
 
     def wait_flush(self, ino: int) -> None:
         """Wait for the file's background flush and raise its error, if any."""
@@ -288,6 +349,7 @@ class OpenFiles:
                     inode.inflight = max(0, inode.inflight - n)
                     if wb.off == off:
                         wb.drop(n)
+                        self.buffered = max(0, self.buffered - n)
             if s._want_journal_flush:
                 with s.io_lock:
                     s.maybe_flush_journal_iolocked()

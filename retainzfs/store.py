@@ -64,6 +64,8 @@ log = logging.getLogger("retainzfs")
 
 INF = math.inf
 FLUSH_BYTES = 4 << 20          # per-file write buffer bound before data go to a zone
+DIRTY_BYTES = 128 << 20        # all files' write buffers together (OpenFiles)
+DIRTY_EXPIRE = 30.0            # seconds a buffered byte may wait for the periodic writeback
 __all__ = ["FsError", "Inode", "LatencyHistogram", "NAME_MAX", "ROOT_INO", "Store",
            "StoreOptions"]
 
@@ -97,6 +99,8 @@ class StoreOptions:
     hint_grid: int = 0
     gc_reserve: int = 1
     flush_bytes: int = FLUSH_BYTES
+    dirty_bytes: int = DIRTY_BYTES
+    dirty_expire: float = DIRTY_EXPIRE
     common_admission: bool = False
     fullscan: bool = False
     readonly: bool = False        # status/fsck of an unmounted target: never write repairs
@@ -414,6 +418,12 @@ class Store:
         """Everything queued becomes durable (periodic flush, syncfs, unmount)."""
         if self.journal.has_pending() or self._wgen != self._sgen:
             self._flush_durably()
+
+    def periodic_sync(self) -> None:
+        """The mount's periodic tick: buffers past ``dirty_expire`` to the device, then
+        everything queued durable."""
+        self.files.writeback()
+        self.sync()
 
     def close(self) -> None:
         """Unmount: commit every buffered file, flush the journal, release the device."""

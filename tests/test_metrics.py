@@ -18,7 +18,7 @@ NEEDED = {"retainzfs_zones", "retainzfs_live_bytes", "retainzfs_invalid_bytes",
           "retainzfs_gc_copied_bytes", "retainzfs_host_write_amplification",
           "retainzfs_commit_seconds", "retainzfs_enospc", "retainzfs_checksum_errors",
           "retainzfs_gc_aborted", "retainzfs_daemon_peak_resident_bytes",
-          "retainzfs_capacity_stop", "retainzfs_metadata_full",
+          "retainzfs_capacity_stop", "retainzfs_metadata_full", "retainzfs_buffered_bytes",
           "retainzfs_io_buffer_pool_bytes", "process_resident_memory_bytes",
           "process_cpu_seconds"}
 

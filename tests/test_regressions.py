@@ -292,6 +292,8 @@ def test_write_pointer_behind_live_data(mounted):
     ("lambda=abc", "lambda"), ("lambda=-1", "lambda"), ("hint_grid=x", "hint_grid"),
     ("gc_reserve=-2", "<= 1048576"), ("allocator=nope", "allocator"),
     ("flush_bytes=0", "flush_bytes"), ("common_admission=maybe", "common_admission"),
+    ("dirty_bytes=4k", "1M..1T"), ("dirty_bytes=lots", "dirty_bytes"),
+    ("dirty_expire=-1", "dirty_expire"), ("dirty_expire", "dirty_expire"),
     ("bogus=1", "bogus"),
 ])
 def test_bad_mount_options_one_line_before_fork(image, tmp_path, opt, needle):
