@@ -65,6 +65,7 @@ class ZonedDevice(ZoneWrites, ABC):
     """
 
     path: str
+    readonly = False            # opened O_RDONLY (open_device(readonly=True)): never written
     block_size: int
     zone_size: int
     zone_capacity: int
@@ -665,10 +666,12 @@ class ImageZonedDevice(ZonedDevice):
     _host_full = False                  # the last zone write found the host file system full
     parallel_writes = True      # a file takes writes anywhere, at any time
 
-    def __init__(self, path: str | os.PathLike[str], direct: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], direct: bool = False,
+                 readonly: bool = False) -> None:
         self._fd = -1
         path = os.fspath(path)
-        fd = _open_locked(path, os.O_RDWR)
+        self.readonly = readonly
+        fd = _open_locked(path, os.O_RDONLY if readonly else os.O_RDWR)
         try:
             self._attach(path, fd)
             if direct:
@@ -687,7 +690,8 @@ class ImageZonedDevice(ZonedDevice):
     def _open_direct(self) -> None:
         path = self.path
         try:
-            dfd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+            dfd = os.open(path, (os.O_RDONLY if self.readonly else os.O_RDWR)
+                          | os.O_DIRECT | os.O_CLOEXEC)
         except OSError as e:
             if e.errno == errno.EINVAL:
                 raise DeviceError(f"{path}: the file system does not support O_DIRECT") from None
@@ -1081,9 +1085,10 @@ class BlockZonedDevice(ZonedDevice):
     error from the device itself propagates as OSError after resyncing that zone.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], readonly: bool = False) -> None:
         self._fd = -1
         path = os.fspath(path)
+        self.readonly = readonly
         try:
             st = os.stat(path)
         except FileNotFoundError:
@@ -1116,7 +1121,8 @@ class BlockZonedDevice(ZonedDevice):
         lbs = num("logical_block_size")
         self._ensure_scheduler(path, os.path.join(sysdir, "queue", "scheduler"))
         try:
-            fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_EXCL | os.O_CLOEXEC)
+            fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR)
+                         | os.O_DIRECT | os.O_EXCL | os.O_CLOEXEC)
         except OSError as e:
             if e.errno == errno.EBUSY:
                 raise DeviceError(f"{path} is in use (mounted or opened by another process)") from None
@@ -1301,8 +1307,13 @@ def host_fs_type(path: str) -> str:
     return next((kind for d, _, kind in mountinfo() if d == dev), "")
 
 
-def open_device(path: str | os.PathLike[str], direct: bool | None = False) -> ZonedDevice:
+def open_device(path: str | os.PathLike[str], direct: bool | None = False,
+                readonly: bool = False) -> ZonedDevice:
     """Open a zoned target: a block device or an image file (chosen by file type).
+
+    ``readonly`` opens it O_RDONLY (a read-only mount, ``status`` and ``fsck`` without
+    ``--repair``, which never write): an image on read-only media, a backup or a snapshot, or a
+    device set read-only can still be read, and nothing can be written by mistake.
 
     ``direct`` is for an image: True opens its zone data with O_DIRECT, False through the page
     cache, None tries O_DIRECT and falls back where the host file system has none — and never
@@ -1320,18 +1331,18 @@ def open_device(path: str | os.PathLike[str], direct: bool | None = False) -> Zo
     except OSError as e:
         raise DeviceError(f"{path}: {e.strerror}") from None
     if stat.S_ISBLK(st.st_mode):
-        return BlockZonedDevice(path)
+        return BlockZonedDevice(path, readonly=readonly)
     if stat.S_ISREG(st.st_mode):
         if direct is None and host_fs_type(path).startswith("fuse"):
             direct = False                  # O_DIRECT on a FUSE host is whatever its server does
         if direct is None:                  # O_DIRECT where the host file system allows it
             try:
-                return ImageZonedDevice(path, direct=True)
+                return ImageZonedDevice(path, direct=True, readonly=readonly)
             except DeviceError as e:
                 if "O_DIRECT" not in str(e):
                     raise
-            return ImageZonedDevice(path)
-        return ImageZonedDevice(path, direct=direct)
+            return ImageZonedDevice(path, readonly=readonly)
+        return ImageZonedDevice(path, direct=direct, readonly=readonly)
     if stat.S_ISDIR(st.st_mode):
         raise DeviceError(f"{path} is a directory, not a zoned device or image")
     raise DeviceError(f"{path} is neither a block device nor a zoned image file")

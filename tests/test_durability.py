@@ -1024,3 +1024,42 @@ def test_buffered_bytes_of_many_open_files_are_bounded(make_image, mount_image):
         assert (m / f"f{i}").read_bytes() == want, i
     m.umount()
     assert_fsck_clean(img)
+
+
+def test_an_image_on_read_only_media_is_read_not_refused(make_image, mount_image, tmp_path):
+    """An image on a read-only file system (a backup, a snapshot, media mounted ro) mounts with
+    ``-o ro`` and answers ``status`` and ``fsck``: those open it O_RDONLY.  Before, all three
+    opened it for writing and failed with "Read-only file system", so the documented way to
+    read a damaged checkpoint store could not read one off read-only media."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("a read-only bind mount needs root (CI=true: this test must run)")
+        pytest.skip("a read-only bind mount needs root")
+    img = make_image("256M", "4M")
+    m = mount_image(img)
+    data = random.Random(5).randbytes(9 * MiB + 123)
+    (m / "ckpt").mkdir()
+    (m / "ckpt" / "model.pt").write_bytes(data)
+    m.umount()
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    run("mount", "--bind", img.parent, ro)
+    try:
+        run("mount", "-o", "remount,bind,ro", ro)
+        rimg = ro / img.name
+        (tmp_path / "rw").mkdir()
+        p = run(MOUNT, rimg, tmp_path / "rw", check=False)     # read-write: one clear line
+        assert p.returncode != 0 and "Read-only file system" in p.stderr, p
+        assert len(p.stderr.strip().splitlines()) == 1
+        st = json.loads(run(RETAINZFS, "status", "--json", rimg).stdout)
+        assert st["live_bytes"] == len(data)
+        assert "0 problems" in run(RETAINZFS, "fsck", rimg).stdout
+        r = mount_image(rimg, options="ro", name="r")
+        assert (r / "ckpt" / "model.pt").read_bytes() == data
+        with pytest.raises(OSError) as e:
+            (r / "ckpt" / "new").write_bytes(b"x")
+        assert e.value.errno == errno.EROFS
+        r.umount()
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], capture_output=True)
+    assert_fsck_clean(img)

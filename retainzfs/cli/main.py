@@ -29,7 +29,7 @@ def _open_offline(target: str, readonly: bool = True):
     from ..store import Store, StoreOptions
     from ..superblock import FormatError
     try:
-        dev = open_device(target)
+        dev = open_device(target, readonly=readonly)
     except DeviceError as e:
         die(str(e))
     try:

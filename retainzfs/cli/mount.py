@@ -200,7 +200,7 @@ def _open_store(target: str, ours: dict):
     while True:
         try:
             dev = open_device(target, {"direct": True, "buffered": False}.get(
-                ours.get("image_io", "auto")))
+                ours.get("image_io", "auto")), readonly=ours.get("readonly", False))
             break
         except DeviceError as e:
             if "in use" in str(e) and time.monotonic() < deadline:
