@@ -146,6 +146,11 @@ class ZonedDevice(ZoneWrites, ABC):
         it.  Only an image, on a host file system that can fill, needs it."""
         return 0
 
+    def medium_free(self) -> int | None:
+        """Bytes the medium below the zones can still take, when that can be less than the
+        empty zones (an image's host file system); None: the zones are the medium."""
+        return None
+
     @abstractmethod
     def flush(self) -> None:
         """Make written data and the zone table durable (survives power loss)."""
@@ -853,6 +858,14 @@ class ImageZonedDevice(ZonedDevice):
                     os.pwrite(self._fd, zeros[:old_wp - pos], off + pos)
             elif zone in self._kept:        # zeros again, still the image's own blocks
                 _fallocate(self._fd, _FALLOC_KEEP_SIZE, off, self.zone_size)
+
+    def medium_free(self) -> int | None:
+        """The host file system's free space (the image is sparse: its empty zones take none)."""
+        try:
+            st = os.fstatvfs(self._fd)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
 
     def keep_allocated(self, zones: range) -> int:
         """The metadata zones' blocks stay allocated in the image (``fallocate``, again after

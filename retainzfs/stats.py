@@ -75,10 +75,14 @@ class StoreStats:
         less the GC reserve.  Why the dead bytes: after ``rm`` of a checkpoint whose zones also hold live
         data, ``df`` showed no change (0 bytes free on a full device) while the next writes
         succeeded through GC; a job or a monitor checking free space before a save was told
-        there was none.  (F2FS counts invalid blocks as free in statfs the same way.)"""
+        there was none.  (F2FS counts invalid blocks as free in statfs the same way.)
+        An image never shows more than its host file system can take, plus what resets give
+        back to it: a sparse image on a nearly full disk showed gigabytes free while every
+        write failed with ENOSPC."""
         s = self.s
+        medium = s.dev.medium_free()          # a syscall: not under the lock
         with s.lock:
-            free = 0
+            free = dead = 0
             data_zones = s.dev.nr_zones - s.meta_zones
             for z in range(s.meta_zones, s.dev.nr_zones):
                 sm = s.alloc.summary(z)
@@ -87,8 +91,10 @@ class StoreStats:
                     continue
                 if sm["cond"] == "active":
                     free += s.cap - sm["W"]
-                free += s.reclaim.reclaimable_locked(z, sm)
-            free = max(0, free - s.opts.gc_reserve * s.cap)
+                dead += s.reclaim.reclaimable_locked(z, sm)
+            free = max(0, free + dead - s.opts.gc_reserve * s.cap)
+            if medium is not None:
+                free = min(free, medium + dead)
             return {"bsize": s.bs, "blocks": data_zones * s.cap // s.bs,
                     "bfree": free // s.bs, "files": len(s.inodes),
                     # no new name fits the metadata zones (``df -i``: none free)

@@ -626,6 +626,11 @@ def test_a_full_host_file_system_is_enospc_and_deletes_still_work(small_host, mo
     else:
         pytest.fail("the 48 MiB host never filled")
     assert 5 < len(acked) < 24, len(acked)
+    # df tells the truth: not the 256 MiB image's empty zones, what the host can still take
+    # (before: 200+ MiB "free" while every write failed)
+    st, host = os.statvfs(m.path), os.statvfs(small_host)
+    assert st.f_bavail * st.f_frsize <= host.f_bavail * host.f_frsize + 2 * MiB, \
+        (st.f_bavail * st.f_frsize, host.f_bavail * host.f_frsize)
     for name in list(acked)[:4]:
         os.unlink(m / name)                       # EIO before: the journal was unusable
         del acked[name]
