@@ -303,6 +303,7 @@ class DataPath:
                 with s.lock:
                     assert s.zgen[zone] == zg, "zone reset under a reservation"
                     s._wgen += 1
+                    s.unsynced[ino] = s._wgen
                     stats["device_write_s"] += t_dev
                     s.do_locked(R.CSUM, R.pack_csum(zone, zg, zoff, nbytes, crcs))
                     if not gc:

@@ -195,6 +195,10 @@ class Store:
         self.fsck = Fsck(self)
         self._wgen = 0                    # device writes so far ...
         self._sgen = 0                    # ... of which a device flush covers this many
+        #: inode -> ``_wgen`` after its latest data write (Store.lock); entries a device flush
+        #: covered are dropped by it.  Tells whether a file's data are durable yet
+        #: (``data_durable_locked``: a rename over another file waits for that).
+        self.unsynced: dict[int, int] = {}
         self.replayed_records = 0
         self.journal_truncated = info.torn
         self.meta_problems = list(info.problems)
@@ -355,6 +359,14 @@ class Store:
         self.dev.flush()
         with self.lock:
             self._sgen = max(self._sgen, g)
+            if self.unsynced:
+                sg = self._sgen
+                self.unsynced = {i: w for i, w in self.unsynced.items() if w > sg}
+
+    def data_durable_locked(self, inode) -> bool:
+        """No byte of the file waits in a buffer or for a device flush (Store.lock held)."""
+        return (not inode.has_buffered()
+                and self.unsynced.get(inode.ino, 0) <= self._sgen)
 
     def _flush_durably(self) -> None:
         """Data, then the journal records that point at them, made durable in that order.
