@@ -1007,47 +1007,6 @@ def test_readdir_a_reply_at_a_time_is_not_quadratic(tmp_path):
 ROOT = 1
 
 
-class _DataCacheLoss:
-    """A power cut on a device whose volatile cache kept the metadata zones' writes and lost
-    every data zone write since the last flush (a cache keeps no order until a flush).  At
-    each ``flush`` the data zones and their zone-table entries are copied; ``crashed_copy``
-    writes the image as the cut leaves it: the metadata zones as written, the data zones as
-    of the last flush."""
-
-    def __init__(self, path: str, dev, meta_zones: int):
-        from retainzfs.device import _ENTRY
-        self.path, self.dev, self.meta = path, dev, meta_zones
-        self.ent = _ENTRY.size
-        self.snap = self._data()
-        real = dev.flush
-
-        def flush():
-            real()
-            self.snap = self._data()
-        dev.flush = flush
-
-    def _ranges(self):
-        d = self.dev
-        yield d._table_off + self.meta * self.ent, (d.nr_zones - self.meta) * self.ent
-        yield d._data_off + self.meta * d.zone_size, (d.nr_zones - self.meta) * d.zone_size
-
-    def _data(self) -> list[bytes]:
-        with open(self.path, "rb") as f:
-            out = []
-            for off, n in self._ranges():
-                f.seek(off)
-                out.append(f.read(n))
-            return out
-
-    def crashed_copy(self, to: str) -> None:
-        import shutil
-        shutil.copyfile(self.path, to)
-        with open(to, "r+b") as f:
-            for (off, _), b in zip(self._ranges(), self.snap):
-                f.seek(off)
-                f.write(b)
-
-
 def test_a_rename_over_a_file_keeps_old_or_new_contents_after_a_power_cut(tmp_path):
     """Write a temporary file, close it, rename it over the old one, no fsync (editors, pip,
     tools that "save atomically"; DCP's .metadata when sync_files is off), then a power cut
@@ -1056,7 +1015,8 @@ def test_a_rename_over_a_file_keeps_old_or_new_contents_after_a_power_cut(tmp_pa
     medium without the new data: the old file was gone and the new one failed its checksums
     (EIO), though nothing durable had been asked to change."""
     path, dev, s = fresh(tmp_path, size=64 * MiB, zone=1 * MiB)
-    cache = _DataCacheLoss(path, dev, s.meta_zones)
+    from cacheloss import DataCacheLoss
+    cache = DataCacheLoss(path, dev, s.meta_zones)
     old, new = random.Random(1).randbytes(300_000), random.Random(2).randbytes(200_000)
 
     def save(name: bytes, data: bytes, fsync: bool) -> None:
