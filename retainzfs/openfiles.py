@@ -1,6 +1,6 @@
 """Open files: write buffers, the in-flight background flush, the parked flush error.
 
-Owns the ``rz-flush`` workers (two; at most two zone writes of a file in flight,
+Owns the ``rz-flush`` workers (four; at most two zone writes of a file in flight,
 ``Inode.flushing``/``flushing_prev``) and the per-inode buffer state (``wbuf``, ``inflight``,
 ``flush_turn``, ``flush_err``, ``dirty``), and the bounds on buffered bytes that the kernel
 keeps for its own dirty pages: all files together hold at most ``StoreOptions.dirty_bytes``
@@ -116,7 +116,7 @@ class OpenFiles:
                     or self.buffered + n > s.opts.dirty_bytes
                     or self._write_through_locked(buf)):
                 return None
-            self._note_locked(ino, buf, n)
+            self._note_locked(ino, not buf, n)
             buf.append(off, data)
             inode.mtime = inode.ctime = now_ns()
             if off + n > inode.size:
@@ -124,9 +124,9 @@ class OpenFiles:
             inode.dirty = inode.policy_dirty = True
             return n
 
-    def _note_locked(self, ino: int, buf, n: int) -> None:
-        """Count ``n`` bytes about to be appended to ``buf`` (Store.lock held)."""
-        if not buf:
+    def _note_locked(self, ino: int, was_empty: bool, n: int) -> None:
+        """Count ``n`` bytes appended to the file's buffer (Store.lock held)."""
+        if was_empty:
             self.dirty_since.pop(ino, None)           # re-inserted last: oldest stay first
             self.dirty_since[ino] = time.monotonic()
         self.buffered += n
@@ -164,10 +164,7 @@ class OpenFiles:
                 was_empty = not buf
                 need_flush = not buf.append(off, data)
                 if not need_flush:
-                    if was_empty:
-                        self.dirty_since.pop(ino, None)
-                        self.dirty_since[ino] = time.monotonic()
-                    self.buffered += n
+                    self._note_locked(ino, was_empty, n)
                     over = (self.buffered > s.opts.dirty_bytes and not s.opts.inline_flush)
                     t = now_ns()
                     inode.mtime = inode.ctime = t
@@ -249,10 +246,11 @@ class OpenFiles:
             total = 0
             for ino, since in list(self.dirty_since.items()):
                 inode = s.inodes.get(ino)
-                if inode is None or not inode.has_buffered():
+                n = len(inode.wbuf) if inode is not None and inode.has_buffered() else 0
+                if not n:                   # (a flush future kept after it was done: clean)
                     del self.dirty_since[ino]
                     continue
-                total += len(inode.wbuf)
+                total += n
                 if now - since >= s.opts.dirty_expire:
                     due.append(ino)
             self.buffered = total
