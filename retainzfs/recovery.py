@@ -225,8 +225,9 @@ class MountRecovery:
                 # The zone table says fewer bytes were written than the journal committed (a
                 # damaged table or a lost device cache): bytes past wp are not the file's data.
                 # Keep the zone out of placement, never write into it, fail reads past wp.
-                self.mark_bad(z, f"write pointer {zone.wp} behind committed data", exts,
-                               valid_upto=zone.wp)
+                self.mark_bad(z, f"write pointer {zone.wp} behind committed data (a damaged "
+                                 f"zone table, or a power cut lost writes not yet fsynced)",
+                              exts, valid_upto=zone.wp)
                 continue
             lsum = 0
             for e in exts:
