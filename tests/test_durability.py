@@ -920,6 +920,16 @@ def test_gc_relocates_live_data_under_pressure(make_image, mount_image):
     print("gc_copied_bytes", st["gc_copied_bytes"], "resets", st["zone_resets"])
 
 
+def kill_and_remount(m, f) -> None:
+    """kill -9 the daemon while ``f`` is open on the mount, close ``f``, mount again."""
+    m.kill()
+    try:
+        f.close()
+    except OSError:
+        pass                                       # ENOTCONN: the daemon is gone
+    m.mount()
+
+
 def test_unlinked_open_file_freed_after_kill9(mounted):
     """An orphan (unlinked while open) of a daemon that was killed is freed on the next mount."""
     data = random.Random(3).randbytes(6 * MiB)
@@ -935,12 +945,7 @@ def test_unlinked_open_file_freed_after_kill9(mounted):
     f.seek(0)
     assert f.read(100) == data[:100]
     assert mounted.status()["live_bytes"] == 6 * MiB + 10_000
-    mounted.kill()
-    try:
-        f.close()
-    except OSError:
-        pass                                       # ENOTCONN: the daemon is gone
-    mounted.mount()
+    kill_and_remount(mounted, f)
     assert os.listdir(mounted.path) == ["keep"]
     assert mounted.status()["live_bytes"] == 10_000
     mounted.umount()
@@ -982,12 +987,7 @@ def test_a_file_held_open_is_on_the_device_within_dirty_expire(make_image, mount
         f.write(ln)
     assert wait_for(lambda: m.status()["buffered_bytes"] == 0, 10), m.status()["buffered_bytes"]
     time.sleep(0.5)                         # the sync after the writeback
-    m.kill()
-    try:
-        f.close()
-    except OSError:
-        pass                                # ENOTCONN: the daemon is gone
-    m.mount()
+    kill_and_remount(m, f)
     assert (m / "train.log").read_bytes() == b"".join(lines[:1500])
     with open(m / "train.log", "ab", buffering=0) as f:
         for i, ln in enumerate(lines[1500:]):
