@@ -1022,6 +1022,8 @@ def test_buffered_bytes_of_many_open_files_are_bounded(make_image, mount_image):
     for fd in fds:
         os.close(fd)
     assert worst <= (16 << 20) + chunk, worst
+    table = run(RETAINZFS, "status", m.path).stdout
+    assert "write buffers" in table and "16.0 MiB (dirty_bytes)" in table, table
     assert peak - rss0 < 250 << 20, (peak - rss0) >> 20      # 400 MiB written, 16 MiB buffered
     m.remount()
     for i in range(n):

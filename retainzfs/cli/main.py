@@ -109,6 +109,11 @@ def print_status(st: dict, path: str) -> None:
                             f"{_human(d['peak_rss_bytes'])}, I/O buffer pool "
                             f"{_human(d['io_buffer_pool_bytes'])}), CPU {d['cpu_seconds']:.1f} s, "
                             f"{d['threads']} threads")
+    tun = st.get("tuning") or {}
+    if "dirty_bytes" in tun:
+        t.add_row("write buffers", f"{_human(st.get('buffered_bytes', 0))} of "
+                                   f"{_human(tun['dirty_bytes'])} (dirty_bytes), written back "
+                                   f"after {tun['dirty_expire']:g} s (dirty_expire)")
     if st.get("capacity_stop"):
         t.add_row("capacity stop", f"yes ({st.get('enospc', 0)} ENOSPC)", style="red")
     if st.get("metadata_full"):
