@@ -558,6 +558,11 @@ def _image_layout(nr_zones: int, zone_size: int) -> tuple[int, int]:
     return _HEADER_BLOCK, _align_up(table_end, max(zone_size, _MIN_DATA_ALIGN))
 
 
+def _access(readonly: bool) -> int:
+    """O_RDONLY for a target opened read-only (``open_device(readonly=True)``), else O_RDWR."""
+    return os.O_RDONLY if readonly else os.O_RDWR
+
+
 def _open_locked(path: str, flags: int, what: str = "zoned image") -> int:
     """Open ``path`` and take an exclusive flock, mapping failures to DeviceError."""
     try:
@@ -676,7 +681,7 @@ class ImageZonedDevice(ZonedDevice):
         self._fd = -1
         path = os.fspath(path)
         self.readonly = readonly
-        fd = _open_locked(path, os.O_RDONLY if readonly else os.O_RDWR)
+        fd = _open_locked(path, _access(readonly))
         try:
             self._attach(path, fd)
             if direct:
@@ -695,8 +700,7 @@ class ImageZonedDevice(ZonedDevice):
     def _open_direct(self) -> None:
         path = self.path
         try:
-            dfd = os.open(path, (os.O_RDONLY if self.readonly else os.O_RDWR)
-                          | os.O_DIRECT | os.O_CLOEXEC)
+            dfd = os.open(path, _access(self.readonly) | os.O_DIRECT | os.O_CLOEXEC)
         except OSError as e:
             if e.errno == errno.EINVAL:
                 raise DeviceError(f"{path}: the file system does not support O_DIRECT") from None
@@ -1134,8 +1138,7 @@ class BlockZonedDevice(ZonedDevice):
         lbs = num("logical_block_size")
         self._ensure_scheduler(path, os.path.join(sysdir, "queue", "scheduler"))
         try:
-            fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR)
-                         | os.O_DIRECT | os.O_EXCL | os.O_CLOEXEC)
+            fd = os.open(path, _access(readonly) | os.O_DIRECT | os.O_EXCL | os.O_CLOEXEC)
         except OSError as e:
             if e.errno == errno.EBUSY:
                 raise DeviceError(f"{path} is in use (mounted or opened by another process)") from None

@@ -244,9 +244,10 @@ def mount(ops: Operations, mountpoint: str, options: set[str]) -> None:
 def serve(store: Store, ops: Operations, mountpoint: str, sync_interval: float = 1.0,
           ready=None, max_threads: int = 64, idle=None) -> int:
     """Answer requests until unmounted or signalled (see ``_fuse.serve``); old write buffers
-    are written and the journal made durable every ``sync_interval`` seconds meanwhile.  ``ready`` runs once the kernel has
-    processed our INIT reply: a STATFS of the mount waits for that, in the kernel.  ``idle(store)``
-    runs after each periodic sync (the daemon's heap trim)."""
+    are written and the journal made durable every ``sync_interval`` seconds meanwhile
+    (``Store.periodic_sync``), then ``idle(store)`` runs (the daemon's heap trim).  ``ready``
+    runs once the kernel has processed our INIT reply: a STATFS of the mount waits for that,
+    in the kernel."""
     stop = threading.Event()
 
     def periodic_sync() -> None:

@@ -234,13 +234,13 @@ class OpenFiles:
             with s.lock:
                 self._busy -= 1
 
-    def writeback(self, now: float | None = None) -> int:
+    def writeback(self) -> None:
         """Commit the files whose buffered bytes are older than ``dirty_expire`` (the periodic
         sync calls this before it makes the journal durable); recount ``buffered``.  An error
         is parked for the file's writer (its next write, fsync or close reports it), as a
-        background flush's is.  Returns the number of files committed.  No lock held."""
+        background flush's is.  No lock held."""
         s = self.s
-        now = time.monotonic() if now is None else now
+        now = time.monotonic()
         due = []
         with s.lock:
             total = 0
@@ -262,7 +262,6 @@ class OpenFiles:
                     inode = s.inodes.get(ino)
                     if inode is not None and inode.flush_err is None:
                         inode.flush_err = e
-        return len(due)
 
     def wait_flush(self, ino: int) -> None:
         """Wait for the file's background flush and raise its error, if any."""

@@ -1018,16 +1018,8 @@ def test_a_rename_over_a_file_keeps_old_or_new_contents_after_a_power_cut(tmp_pa
     from cacheloss import DataCacheLoss
     cache = DataCacheLoss(path, dev, s.meta_zones)
     old, new = random.Random(1).randbytes(300_000), random.Random(2).randbytes(200_000)
-
-    def save(name: bytes, data: bytes, fsync: bool) -> None:
-        ino = s.create(ROOT, name, 0o644).ino
-        s.open(ino)
-        s.write(ino, 0, data)
-        s.commit(ino, durable=fsync)
-        s.release(ino)
-
-    save(b"model.pt", old, fsync=True)
-    save(b"model.pt.tmp", new, fsync=False)
+    put(s, ROOT, b"model.pt", old, durable=True)
+    put(s, ROOT, b"model.pt.tmp", new, durable=False)
     s.rename(ROOT, b"model.pt.tmp", ROOT, b"model.pt")
     with s.io_lock:                    # the rename's frame written, no device flush after it
         s.journal_flush_iolocked(sync=False)
@@ -1052,11 +1044,7 @@ def test_a_rename_over_a_file_with_durable_data_costs_no_flush(tmp_path):
     real = dev.flush
     dev.flush = lambda: (flushes.append(1), real())[1]
     for name in (b"a", b"b", b"c"):
-        ino = s.create(ROOT, name, 0o644).ino
-        s.open(ino)
-        s.write(ino, 0, b"x" * 5000)
-        s.commit(ino, durable=name != b"c")
-        s.release(ino)
+        put(s, ROOT, name, b"x" * 5000, durable=name != b"c")
     n = len(flushes)
     s.rename(ROOT, b"a", ROOT, b"b")                 # fsynced: nothing to wait for
     s.rename(ROOT, b"c", ROOT, b"d")                 # onto a free name

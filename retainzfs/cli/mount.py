@@ -133,8 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("mountpoint")
     p.add_argument("-o", dest="options", action="append", default=[],
                    help="allocator=NAME,lambda=X,hint_grid=G,gc_reserve=N,common_admission,"
-                        "log=PATH,debug,allow_other,sync_interval=S,dirty_bytes=SIZE,dirty_expire=S,"
-                        "image_io=auto|direct|buffered")
+                        "log=PATH,debug,allow_other,sync_interval=S,dirty_bytes=SIZE,"
+                        "dirty_expire=S,image_io=auto|direct|buffered")
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     # flags mount(8) passes to helpers
     p.add_argument("-n", action="store_true", help=argparse.SUPPRESS)
