@@ -372,6 +372,7 @@ def load(dev, sb):
             break
         prev = seq
         st.records.bodies.append(body)
+        st.records.seqs.append(seq)
         st.log_bytes += len(body)
     st.next_seq = frames[-1][0] + 1
     # live pairs: those holding frames from the snapshot on, in log order
@@ -444,6 +445,7 @@ class Records:
 
     def __init__(self):
         self.bodies = []
+        self.seqs = []                  # the frame number of each body
 
     def __iter__(self):
         for body in self.bodies:
@@ -459,6 +461,16 @@ class Records:
             for t, pl in _recs(body):
                 if t not in _SKIP:
                     yield t, pl
+
+    def consume_frames(self):
+        """As ``consume``, frame by frame: (frame number, [(type, payload)])."""
+        bodies, self.bodies = self.bodies, []
+        seqs, self.seqs = self.seqs, []
+        bodies.reverse()
+        seqs.reverse()
+        while bodies:
+            body = bodies.pop()
+            yield seqs.pop(), [(t, pl) for t, pl in _recs(body) if t not in _SKIP]
 
     def __len__(self):
         return sum(1 for _ in self)
@@ -513,6 +525,13 @@ class Journal:
         self.tight = False
         self._tight_log = -1            # log_bytes at the last roll that did not fit
         self._tight_at = 0.0
+        # Durability proofs (R.FLUSHED, feature "flush_marks"): ``flushed`` is the newest frame
+        # a completed device flush covered (the store notes its flushes: ``note_flushed``),
+        # ``marked`` the newest one a FLUSHED record already named.
+        self.marks = "flush_marks" in (sb.features or ())
+        self.flushed = 0
+        self.marked = 0
+        self._proves = None             # what the plan being written proves (``_mark``)
 
     # -- state after mount
     def resume(self, st):
@@ -566,14 +585,50 @@ class Journal:
     def _pairs_for(self, nbytes):
         return -(-nbytes // max(self.cap - 2 * self.bs - frame_size(len(self._super_body()), self.bs), self.bs))
 
-    def prepare(self):
+    def written(self):
+        """The number of the newest frame written (a flush begun now covers it and those
+        before it)."""
+        return self.seq - 1
+
+    def note_flushed(self, upto):
+        """A device flush that began after frame ``upto`` was written completed."""
+        if upto > self.flushed:
+            self.flushed = upto
+
+    def needs_mark(self):
+        """A flush covered frames no FLUSHED record names yet (``Store.sync`` then writes
+        one on its own, so a quiet log still proves its last data writes)."""
+        return self.marks and self.flushed > self.marked
+
+    def _mark(self, ordered, force):
+        """End the pending records with the proof the flushes so far give: ALL_BEFORE when
+        ``ordered`` (every write before now, data and frames, was flushed: the store knows),
+        else the newest frame a flush covered, if no record named it yet.  Only when records
+        are pending anyway, or ``force``: an idle log never grows for a proof.  What the
+        plan will prove once written goes to ``_proves`` (``commit`` moves ``marked``)."""
+        self._proves = None
+        if not self.marks or not (self.pending or force):
+            return
+        alone = not self.pending
+        if ordered:
+            self.pending += encode_record(R.FLUSHED, R.pack_flushed(R.ALL_BEFORE))
+            self._proves = -1                 # every frame up to the plan's last
+        elif self.flushed > self.marked:
+            self.pending += encode_record(R.FLUSHED, R.pack_flushed(self.flushed))
+            # (a frame holding only the proof has nothing to prove itself)
+            self._proves = -1 if alone else self.flushed
+
+    def prepare(self, ordered=False, mark=False):
         """Detach pending records (caller holds the namespace lock): a plan for ``commit``.
 
         None, ("append", bodies, raw), ("next", bodies, raw) or ("roll", bodies, raw) where a
-        roll's bodies are a whole snapshot taken now (it already holds every pending record)."""
+        roll's bodies are a whole snapshot taken now (it already holds every pending record).
+        ``ordered``: every data write and frame so far is durable; ``mark``: write the proof
+        (R.FLUSHED) even with nothing else pending (see ``_mark``)."""
         if self.failed is not None:
             raise OSError(errno.EIO, f"metadata log unusable after an earlier write error: "
                                      f"{self.failed}")
+        self._mark(ordered, mark and self.needs_mark())
         if not self.pending:
             if self.tight and self._retry_due():     # deletions may have made room
                 return self._roll_if_room(b"")
@@ -720,9 +775,19 @@ class Journal:
             except OSError as e:
                 self.failed = str(e)
                 raise
+            # frames the plan's FLUSHED record proves (a roll: its snapshot maps only data
+            # flushed before it, and holds no CSUM record)
+            proves = -1 if plan[0] == "roll" else self._proves
+            if proves == -1:
+                self.marked = self.written()
+            elif proves is not None and proves > self.marked:
+                self.marked = proves
+            self._proves = None
         self.flushes += 1
         if sync:
+            upto = self.written()
             self.dev.flush()
+            self.note_flushed(upto)
 
     def _commit(self, plan):
         kind, bodies, raw = plan
@@ -743,8 +808,13 @@ class Journal:
         free = self._free_pairs()
         self._release_slots()
         self.live = []
+        # The data the snapshot maps were written before it was taken: durable before it is
+        # (recovery takes a snapshot's extents as proven, ``recovery.Proofs``).
+        self.dev.flush()
         size = self._write_spanning(bodies, free)
+        upto = self.written()
         self.dev.flush()                  # the new snapshot is durable before the old goes
+        self.note_flushed(upto)
         for p in old:
             for z in self.zones(p):
                 if self.dev.zone(z).wp or self.dev.zone(z).cond != 1:

@@ -18,6 +18,9 @@ log = logging.getLogger("retainzfs")
 class RecordApplier:
     def __init__(self, store):
         self.s = store
+        #: mount-time replay only: the ``recovery.Proofs`` noting which data writes the
+        #: journal proves durable (None at run time)
+        self.proofs = None
 
     def apply(self, rtype: int, payload: bytes):
         """Apply one journal record to the store's memory; returns what the record made dead
@@ -59,11 +62,19 @@ class RecordApplier:
             zone, zgen, zoff, length, crcs = R.unpack_csum(payload)
             if zgen == s.zgen[zone]:
                 s.csums.add(zone, zoff, length, crcs)
+                if self.proofs is not None:
+                    self.proofs.wrote(zone, zgen, zoff + length)
             return None
         if rtype == R.ZONE_RESET:
             zone, gen = R.unpack_zone_reset(payload)
             s.zgen[zone] = gen
             s.csums.drop_zone(zone)
+            if self.proofs is not None:
+                self.proofs.reset(zone)
+            return None
+        if rtype == R.FLUSHED:
+            if self.proofs is not None:
+                self.proofs.flushed(R.unpack_flushed(payload))
             return None
         if rtype == R.INODE:
             d = R.unpack_json(payload)

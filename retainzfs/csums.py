@@ -67,6 +67,33 @@ class _ZoneRuns:
         for k in range(i + 1, len(self.first)):
             self.first[k] += len(crcs)
 
+    def end(self) -> int:
+        """Zone offset past the last byte any run covers."""
+        return max((a + n for a, n in zip(self.starts, self.lens)), default=0)
+
+    def clip(self, at: int) -> int:
+        """Forget what lies at or past zone offset ``at`` (bytes the medium lost) and return
+        where verified bytes now end: ``at``, or lower when a run crosses ``at`` (its piece
+        holding ``at`` covers lost bytes too, so that piece goes; pieces wholly below stay)."""
+        cut = at
+        keep = []
+        for i in range(len(self.starts)):
+            a, n = self.starts[i], self.lens[i]
+            if a >= at:
+                continue
+            if a + n > at:
+                k = (at - a) // CSUM_PIECE
+                cut = min(cut, a + k * CSUM_PIECE)
+                if not k:
+                    continue
+                n = k * CSUM_PIECE
+            f = self.first[i]
+            keep.append((a, n, self.crcs[f:f + -(-n // CSUM_PIECE)]))
+        self.starts, self.lens, self.first, self.crcs = array("Q"), array("Q"), array("Q"), array("I")
+        for a, n, c in keep:
+            self.add(a, n, c)
+        return cut
+
     def run(self, i: int) -> Run:
         a = self.first[i]
         n = -(-self.lens[i] // CSUM_PIECE)
@@ -90,6 +117,21 @@ class ZoneChecksums:
 
     def drop_zone(self, zone: int) -> None:
         self.zones.pop(zone, None)
+
+    def end(self, zone: int) -> int:
+        """Zone offset past the last checksummed byte of ``zone`` (0: none)."""
+        zr = self.zones.get(zone)
+        return zr.end() if zr is not None else 0
+
+    def clip(self, zone: int, at: int) -> int:
+        """``_ZoneRuns.clip`` of the zone: where its verified bytes end now."""
+        zr = self.zones.get(zone)
+        if zr is None:
+            return at
+        cut = zr.clip(at)
+        if not len(zr):
+            del self.zones[zone]
+        return cut
 
     def runs(self, zone: int) -> list[Run]:
         zr = self.zones.get(zone)

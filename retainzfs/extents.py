@@ -102,6 +102,10 @@ class ExtentMap:
             del self.offs[i + 1]
         return dead
 
+    def punch(self, start: int, end: int) -> list[Dead]:
+        """Unmap [start, end) (a hole: reads as zeros); returns the pieces removed."""
+        return self._cut(start, end) if end > start else []
+
     def truncate(self, size: int) -> list[Dead]:
         """Drop everything at or beyond ``size``."""
         if not self.exts or self.exts[-1].end <= size:

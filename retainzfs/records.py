@@ -25,11 +25,18 @@ RELOCATE = 22       # GC moved a live range
 CSUM = 23           # CRC32C of each piece of one device write
 ZONE_FINISH = 30
 ZONE_RESET = 31     # the zone was reset: its generation is now ``gen``
+#: Durability proof (feature ``flush_marks``): every data write named by a CSUM record in a
+#: frame numbered <= ``upto`` (ALL_BEFORE: in any frame before this record, or in this one
+#: before it) reached the medium before a device flush completed.  Recovery may drop data
+#: writes missing from the medium only if no such record proves them (``recovery.Proofs``).
+FLUSHED = 32
+ALL_BEFORE = (1 << 64) - 1
 
 NAMES = {SUPER: "super", SNAP_BEGIN: "snap_begin", SNAP_CHUNK: "snap_chunk", SNAP_END: "snap_end",
          INODE: "inode", INODE_DEL: "inode_del", DIRENT_ADD: "dirent_add",
          DIRENT_DEL: "dirent_del", RENAME: "rename", EXTENT: "extent", TRUNCATE: "truncate",
-         RELOCATE: "relocate", CSUM: "csum", ZONE_FINISH: "zone_finish", ZONE_RESET: "zone_reset"}
+         RELOCATE: "relocate", CSUM: "csum", ZONE_FINISH: "zone_finish", ZONE_RESET: "zone_reset",
+         FLUSHED: "flushed"}
 
 #: bytes covered by one data checksum: small enough that a 4 KiB random read verifies at most
 #: two pieces, large enough that the table costs 0.025 % of the data (in RAM and journal)
@@ -75,6 +82,14 @@ def pack_zone(zone: int) -> bytes:
 
 def unpack_zone(payload) -> int:
     return _ZONE.unpack(payload)[0]
+
+
+def pack_flushed(upto: int) -> bytes:
+    return _U64.pack(upto)
+
+
+def unpack_flushed(payload) -> int:
+    return _U64.unpack(payload)[0]
 
 
 def pack_zone_reset(zone: int, gen: int) -> bytes:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import stat
+from collections import deque
 from time import time_ns as now_ns
 
 from . import _journal as J
@@ -30,6 +31,7 @@ from . import hints as H
 from . import namespace as NS
 from . import records as R
 from ._alloc import Allocator
+from .csums import ZoneChecksums
 from .device import ZoneCond
 from .namespace import Inode
 from .nsops import ROOT_INO
@@ -135,6 +137,32 @@ class PartialReplay:
         return [o.ino for o in orphans]
 
 
+class Proofs:
+    """Which data writes the replayed journal proves durable, per zone (format feature
+    ``flush_marks``): ``proven[zone]`` = the zone offset up to which a device flush covered
+    the checksummed writes, from the snapshot (a roll flushes the data it maps first) and
+    the R.FLUSHED records.  Writes not yet proven wait in ``pending`` (in frame order)."""
+
+    def __init__(self, store):
+        self.s = store
+        self.seq = 0                       # the frame being replayed
+        self.proven = {z: store.csums.end(z) for z in store.csums.zones}
+        self.pending: deque[tuple[int, int, int, int]] = deque()   # (seq, zone, zgen, end)
+
+    def wrote(self, zone: int, zgen: int, end: int) -> None:
+        self.pending.append((self.seq, zone, zgen, end))
+
+    def reset(self, zone: int) -> None:
+        self.proven.pop(zone, None)
+
+    def flushed(self, upto: int) -> None:
+        p, zgen, proven = self.pending, self.s.zgen, self.proven
+        while p and p[0][0] <= upto:
+            _, zone, g, end = p.popleft()
+            if g == zgen[zone] and end > proven.get(zone, 0):
+                proven[zone] = end
+
+
 class MountRecovery:
     """Mount-time recovery of a ``Store``: the snapshot, the records after it (through the
     same ``apply`` as run time), summaries rebuilt from the extents and the write pointers,
@@ -164,9 +192,19 @@ class MountRecovery:
                       "(%d records of lost inodes skipped, %d files under /lost+found)",
                       len(s.inodes), pr.skipped, len(adopted))
         else:
-            for rtype, payload in info.records.consume():
-                s._apply(rtype, payload)
-                s.replayed_records += 1
+            proofs = Proofs(s) if "flush_marks" in (s.sb.features or ()) else None
+            s.applier.proofs = proofs
+            try:
+                for seq, recs in info.records.consume_frames():
+                    if proofs is not None:
+                        proofs.seq = seq
+                    for rtype, payload in recs:
+                        s._apply(rtype, payload)
+                    s.replayed_records += len(recs)
+            finally:
+                s.applier.proofs = None
+            if proofs is not None:
+                self.drop_lost_writes(proofs)
         # A file's size is journaled at close/fsync, its EXTENT records whenever data reach a
         # zone (the periodic flush makes them durable): after a crash a file may have committed
         # extents past the size last journaled.  Those bytes were written by the application
@@ -250,7 +288,9 @@ class MountRecovery:
         for d in list(s.inodes.with_extra()):
             if d.is_dir and (H.POLICY_NAME in d.entries or d.policy_src):
                 s._load_policy(d.ino, quiet=True)
-        if info.uneven or s.journal_truncated or s.meta_problems:
+        if info.uneven or s.journal_truncated or s.meta_problems or s.lost_writes:
+            # (lost writes: the journal still names them; a fresh snapshot without them goes
+            # before anything is written where they were)
             # a torn flush, one damaged copy, or copies of unequal length: write a fresh
             # snapshot into a free pair so every acknowledged record has two good copies again
             with s.io_lock:
@@ -269,6 +309,85 @@ class MountRecovery:
         if damaged:
             s.dev.flush()
         s._reset_empty_zones()
+
+    def drop_lost_writes(self, proofs: "Proofs") -> None:
+        """Forget data writes a power cut took from the device's cache, when nothing proves
+        they were durable (a device cache keeps no order until a flush, so a journal frame
+        can outlive the data it names, or a zone reset).  For each zone, the checksummed
+        writes no flush covered (past ``proofs.proven``) are read back and verified: from
+        the first piece that is missing (past the write pointer) or does not match (a reset
+        the cache lost left the old bytes) on, they are dropped.  Those files lose bytes they
+        had not fsynced: a file whose lost bytes were its last is cut where they began (what
+        an application sees of a write cut short), lost bytes before kept ones read as zeros.
+        A zone missing bytes a flush *did* cover is left to the out-of-service rule
+        (``load``): that is damage, not a lost cache.  Nothing is written here (``load``
+        rolls a fresh snapshot before anything is written where the lost bytes were)."""
+        s = self.s
+        cuts: dict[int, int] = {}
+        for z in list(s.csums.zones):
+            if z < s.meta_zones:
+                continue
+            zone = s.dev.zone(z)
+            if zone.cond in (ZoneCond.READONLY, ZoneCond.OFFLINE):
+                continue
+            p, e = proofs.proven.get(z, 0), s.csums.end(z)
+            wp = zone.capacity if zone.cond == ZoneCond.FULL else zone.wp
+            if e <= p or p > wp:
+                continue                  # all proven, or proven bytes missing: damage
+            lost = self._first_unverified(z, p, min(e, wp))
+            if lost < e:
+                cuts[z] = s.csums.clip(z, lost)
+        if not cuts:
+            return
+        nbytes = 0
+        files = []
+        for ino, m in s.inodes.extent_maps():
+            lost = [(e.off + max(0, cuts[e.zone] - e.zoff), e.end) for e in m
+                    if e.zone in cuts and e.zoff + e.length > cuts[e.zone]]
+            if not lost:
+                continue
+            for a, b in lost:
+                m.punch(a, b)
+                nbytes += b - a
+            first = min(a for a, _ in lost)
+            if not len(m) or m.exts[-1].end <= first:
+                ino.size = min(ino.size, first)
+            files.append(s.path_of(ino.ino))
+        s.lost_writes = {"zones": sorted(cuts), "files": sorted(files), "bytes": nbytes}
+        log.warning("power cut: %d bytes written without an fsync never reached the device "
+                    "(zones %s); %d files lost them%s", nbytes,
+                    ", ".join(map(str, sorted(cuts))), len(files),
+                    (": " + ", ".join(files[:5]) + (" ..." if len(files) > 5 else ""))
+                    if files else "")
+
+    def _first_unverified(self, z: int, lo: int, hi: int) -> int:
+        """Zone offset of the first checksum piece at or past ``lo`` that is not wholly below
+        ``hi`` (the write pointer) or whose bytes on the device do not match; the end of the
+        zone's checksummed bytes if none."""
+        s = self.s
+        step = 64 * R.CSUM_PIECE
+        for run in s.csums.runs(z):
+            if run.end <= lo:
+                continue
+            k = max(0, (lo - run.zoff) // R.CSUM_PIECE)
+            n = len(run.crcs)
+            while k < n:
+                a = run.zoff + k * R.CSUM_PIECE
+                if min(a + R.CSUM_PIECE, run.end) > hi:
+                    return a
+                b = min(a + step, run.end)
+                if b > hi:                # only whole pieces below the write pointer
+                    b = a + (hi - a) // R.CSUM_PIECE * R.CSUM_PIECE
+                k2 = n if b == run.end else (b - run.zoff) // R.CSUM_PIECE
+                try:
+                    data = s.dev.read(z, a, b - a)
+                except OSError:
+                    return a
+                bad = ZoneChecksums.bad_pieces(run, k, k2, data, a)
+                if bad:
+                    return bad[0]
+                k = k2
+        return s.csums.end(z)
 
     def mark_bad(self, z: int, why: str, exts: list, valid_upto: int | None = None) -> None:
         """Take zone ``z`` out of service at mount (see ``bad_zones``); its files stay listed.

@@ -154,6 +154,7 @@ class StoreStats:
                 "gc_runs": st["gc_runs"], "gc_aborted": st["gc_aborted"],
                 "bad_zones": {str(z): {"reason": b["reason"], "files": b["files"]}
                               for z, b in sorted(s.bad_zones.items())},
+                "lost_writes": s.lost_writes,
                 "files": sum(1 for i in s.inodes.values() if i.is_reg),
                 "policy_errors": {**{path_of(k): p.slow[0] for k, p in s.policies.items()
                                      if p.slow},

@@ -207,6 +207,9 @@ class Store:
         self.tuning: dict = {}                  # kernel-side settings the mount made (status)
         # zone -> {"reason", "valid_upto", "files"}: zones a failure took out of service
         self.bad_zones: dict[int, dict] = {}
+        #: data writes a power cut lost that nothing proved durable, dropped at mount
+        #: (``MountRecovery.drop_lost_writes``): {"zones", "files", "bytes"}, else None
+        self.lost_writes: dict | None = None
         # A placement found no room, even after GC, and nothing was freed since (set by
         # DataPath, cleared by a placement or Reclaim's reset; read by OpenFiles' write-through
         # rule and status).  Store.lock.
@@ -329,11 +332,15 @@ class Store:
             self._want_journal_flush = False
             self.journal_flush_iolocked(sync=False)
 
-    def journal_flush_iolocked(self, sync: bool) -> None:
-        """Write queued records (io_lock held; the namespace lock only to detach them)."""
+    def journal_flush_iolocked(self, sync: bool, mark: bool = False) -> None:
+        """Write queued records (io_lock held; the namespace lock only to detach them).
+        ``mark``: with the proof of the last flush even if nothing else is queued."""
         assert self.io_lock._is_owned(), "journal_flush_iolocked without io_lock"
         with self.lock:
-            plan = self.journal.prepare()
+            # ordered: every write so far (data, frames) is durable, so are the data these
+            # records name (they were counted before their records were queued): the frame
+            # proves them (R.FLUSHED)
+            plan = self.journal.prepare(ordered=self._sgen >= self._wgen, mark=mark)
             if plan is None and not sync:
                 return
             g = self._wgen       # data writes completed before the frame (and its flush)
@@ -356,9 +363,11 @@ class Store:
         (no lock: ``Reclaim`` calls it with ``io_lock`` let go).  ``_wgen`` counts writes
         once they completed, so what it says before the flush, the flush covers."""
         g = self._wgen
+        upto = self.journal.written()
         self.dev.flush()
         with self.lock:
             self._sgen = max(self._sgen, g)
+            self.journal.note_flushed(upto)
             if self.unsynced:
                 sg = self._sgen
                 self.unsynced = {i: w for i, w in self.unsynced.items() if w > sg}
@@ -427,9 +436,16 @@ class Store:
             self.reclaim.reset_empty_zones()
 
     def sync(self) -> None:
-        """Everything queued becomes durable (periodic flush, syncfs, unmount)."""
+        """Everything queued becomes durable (periodic flush, syncfs, unmount).  Then, if a
+        flush covered frames no record says it did, one small frame says so (durable at the
+        next flush: the next tick, or unmount's): without it a quiet log's last data writes
+        stay unproven, and a damaged zone table under them would pass for a lost cache at
+        the next mount (``MountRecovery.drop_lost_writes``)."""
         if self.journal.has_pending() or self._wgen != self._sgen:
             self._flush_durably()
+        if self.journal.needs_mark():
+            with self.io_lock:
+                self.journal_flush_iolocked(sync=False, mark=True)
 
     def periodic_sync(self) -> None:
         """The mount's periodic tick: buffers past ``dirty_expire`` to the device, then

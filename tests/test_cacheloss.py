@@ -5,19 +5,22 @@ file renamed over the name), deletions and fsyncs, through the ``Store``.
 What must hold after the cut, whatever the order the device kept: every name not changed since
 the last durable point (an fsync of anything, or a sync: each makes everything before it
 durable) reads exactly as then; a name reads only as contents it held since then, or is
-missing only if it was deleted or renamed away since; EIO only for a file written without an
-fsync (its journal frame outlived its data), never for one renamed over an older file (the
-rename makes its data durable first: ext4's ``auto_da_alloc``); the store mounts and its
-metadata check is clean.  A second kind of cut loses the journal's writes too (what LazyFS
+missing only if it was deleted or renamed away since; a file written without an fsync may
+read as a prefix of what it held (its journal frame outlived its data: the mount drops the
+bytes no flush proved, ``MountRecovery.drop_lost_writes``), never one renamed over an older
+file (the rename makes its data durable first: ext4's ``auto_da_alloc``); nothing reads EIO,
+no zone goes out of service, and the metadata check is clean.  A second kind of cut loses the journal's writes too (what LazyFS
 does).
 """
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
 import tempfile
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
@@ -68,7 +71,7 @@ class CutMachine(RuleBasedStateMachine):
         """Everything so far is durable (an fsync of anything, a sync)."""
         self.durable = dict(self.cur)
         self.versions = {n: {v} for n, v in self.cur.items()}
-        self.eio_ok: set[str] = set()          # written without an fsync since
+        self.unsynced: set[str] = set()          # written without an fsync since
 
     def _changed(self, name: str, v) -> None:
         self.versions.setdefault(name, {self.durable.get(name, GONE)}).add(v)
@@ -101,7 +104,7 @@ class CutMachine(RuleBasedStateMachine):
             if fsync:
                 self._durable_point()
             elif data:                             # (an empty file has nothing to lose)
-                self.eio_ok.add(name)
+                self.unsynced.add(name)
             return
         tmp = name + ".tmp"
         self._changed(tmp, b"")
@@ -111,15 +114,15 @@ class CutMachine(RuleBasedStateMachine):
         if fsync:
             self._durable_point()
         elif data:
-            self.eio_ok.add(tmp)
-        if name in self.cur and tmp in self.eio_ok:
+            self.unsynced.add(tmp)
+        if name in self.cur and tmp in self.unsynced:
             self._durable_point()                  # replacing: the tmp's data made durable
         self.s.rename(ROOT, tmp.encode(), ROOT, name.encode())
         self._changed(tmp, GONE)
         self._changed(name, data)
         self.cur[name] = self.cur.pop(tmp)
-        if tmp in self.eio_ok:                     # (the tmp stays: the rename may be lost)
-            self.eio_ok.add(name)
+        if tmp in self.unsynced:                     # (the tmp stays: the rename may be lost)
+            self.unsynced.add(name)
 
     @rule(name=NAMES)
     def delete(self, name):
@@ -152,24 +155,20 @@ class CutMachine(RuleBasedStateMachine):
         self.dev = open_device(crashed)
         self._open_store()
         s = self.s
-        # a zone whose write pointer is behind committed data (the cache lost a write the
-        # journal names) goes out of service until its files are deleted: only then, and
-        # only if a file was written without an fsync
-        problems = s.check()
-        assert all("write pointer" in p and "behind committed data" in p for p in problems), \
-            problems
-        assert not problems or self.eio_ok, problems
+        # Bytes the cache lost that no flush covered are dropped at mount (the journal's
+        # flush marks tell them from damage): no zone goes out of service, nothing reads EIO,
+        # the metadata check is clean.
+        assert s.check() == [] and not s.bad_zones, (s.check(), s.bad_zones)
         names = {n.decode() for n, _, _ in s.readdir(ROOT, 0)} - {".", ".."}
         seen: dict[str, bytes] = {}
         for name in names:
             ino = s.lookup(ROOT, name.encode()).ino
-            try:
-                got = s.read(ino, 0, s.getattr(ino).size + 1)
-            except FsError as e:
-                assert name in self.eio_ok, f"{name}: {e} (not written without an fsync)"
-                s.unlink(ROOT, name.encode())
-                continue
-            assert got in self.versions.get(name, {self.durable.get(name, GONE)}), \
+            got = s.read(ino, 0, s.getattr(ino).size + 1)
+            held = self.versions.get(name, {self.durable.get(name, GONE)})
+            # a file written without an fsync since may have lost its tail (cut where the
+            # lost bytes began: a prefix of what it held)
+            assert got in held or (name in self.unsynced and any(
+                v is not GONE and v.startswith(got) for v in held)), \
                 f"{name}: {len(got)} bytes it never held"
             seen[name] = got
         for name, v in self.durable.items():
@@ -185,3 +184,72 @@ def test_power_cuts_that_keep_the_journal_and_lose_data():
         max_examples=int(os.environ.get("RETAINZ_CUT_EXAMPLES", "60")),
         stateful_step_count=20, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+
+
+def _put(s: Store, name: bytes, data: bytes) -> int:
+    ino = s.create(ROOT, name, 0o644).ino
+    s.open(ino)
+    try:
+        s.write(ino, 0, data)
+        s.commit(ino, durable=False)       # a close: its frame goes out with no flush first
+    finally:
+        s.release(ino)
+    return ino
+
+
+@pytest.mark.parametrize("flushed", [False, True])
+def test_only_bytes_no_flush_covered_are_dropped(tmp_path, flushed):
+    """A file closed without an fsync whose data the cut lost: dropped at mount when no flush
+    covered it (the file reads empty, nothing out of service); when a device flush *did*
+    cover it (a later frame's FLUSHED record says so), the missing bytes are damage: the zone
+    goes out of service and the file reads EIO, as a zone table moved back does."""
+    path = str(tmp_path / "img")
+    dev = create_image(path, 48 * MiB, 1 * MiB, max_open=6, max_active=8)
+    Store.format(dev)
+    s = Store(dev)
+    cache = DataCacheLoss(path, dev, s.meta_zones)
+    before = cache.snap                    # the data zones with nothing written
+    a = random.Random(1).randbytes(200_000)
+    ino = _put(s, b"a", a)
+    zone = s.inodes[ino].extents.exts[0].zone
+    if flushed:
+        s.sync()                           # covers a's data and frame; no record says so yet
+    _put(s, b"b", b"x" * 5000)             # its frame names the flush (when there was one)
+    s.files.flusher.shutdown(wait=True)
+    cache.snap = before                    # the medium lost a's data all the same
+    crashed = str(tmp_path / "crashed")
+    cache.crashed_copy(crashed)
+    dev.close()
+    dev = open_device(crashed)
+    try:
+        s = Store(dev)
+        ino = s.lookup(ROOT, b"a").ino
+        if flushed:
+            assert zone in s.bad_zones and "behind committed data" in s.bad_zones[zone]["reason"]
+            assert any(f"zone {zone}" in p for p in s.check()), s.check()
+            with pytest.raises(FsError) as ei:
+                s.read(ino, 0, len(a))
+            assert ei.value.errno == errno.EIO
+        else:
+            assert not s.bad_zones and s.check() == []
+            assert s.getattr(ino).size == 0 and s.read(ino, 0, len(a)) == b""
+            assert s.lost_writes["files"] == ["/a", "/b"] and s.lost_writes["bytes"] == 205_000
+    finally:
+        s.files.flusher.shutdown(wait=True)
+        dev.close()
+
+
+def test_a_zone_reset_the_cache_lost_is_not_read_as_the_new_data():
+    """Found by the state machine once a lost write had to be dropped rather than read as
+    EIO: a file rewritten (O_TRUNC) without an fsync empties its zone, which is reset (after
+    a flush) and written again from offset 0; the cut loses the reset and the new write, so
+    the zone holds the old bytes up to a write pointer *past* the new data's end.  Mount
+    verifies what no flush covered and drops it (the file reads empty), not EIO."""
+    m = CutMachine()
+    try:
+        m.save(name="optim.pt", n=1, fsync=False, via_tmp=False)
+        m.save(name="optim.pt", n=1, fsync=False, via_tmp=False)
+        m.power_cut(frames=False, lose_journal=False)     # asserts the model (no EIO)
+        assert m.s.lost_writes is not None and m.s.lost_writes["files"] == ["/optim.pt"]
+    finally:
+        m.teardown()

@@ -88,6 +88,37 @@ def test_bad_pieces_names_exactly_the_flipped_pieces():
     assert ZoneChecksums.bad_pieces(run, lo, hi, memoryview(data)[a:], a) == []
 
 
+@settings(max_examples=200, deadline=None)
+@given(lens=st.lists(st.one_of(st.integers(1, 3 * P + 5), st.sampled_from([4096, P - 1, P, P + 1])),
+                     min_size=1, max_size=5),
+       at=st.one_of(st.integers(0, 20 * P), st.sampled_from([0, P - 1, P, P + 1, 2 * P])))
+def test_clip_keeps_exactly_the_pieces_wholly_below_the_cut(lens, at):
+    """A power cut's lost writes (``MountRecovery.drop_lost_writes``): the runs of a zone
+    written back to back, clipped at a write pointer anywhere, keep every piece wholly below
+    it with its CRC and nothing else; the returned offset is where verified bytes end."""
+    data = os.urandom(sum(lens))
+    zs = ZoneChecksums()
+    off = 0
+    for n in lens:
+        zs.add(7, off, n, crcs_of([data[off:off + n]], n))
+        off += n
+    cut = zs.clip(7, at)
+    assert cut <= min(at, off) or (at >= off and cut == at)
+    if min(cut, off):
+        spans = zs.span(7, 0, min(cut, off))          # all of [0, cut) verifies as before
+        assert spans is not None
+        for run, lo, hi in spans:
+            assert ZoneChecksums.bad_pieces(run, lo, hi, data, 0) == []
+    assert zs.end(7) == min(cut, off)
+    if cut < off:                                     # nothing at or past the cut is covered
+        assert zs.span(7, cut, 1) is None
+    # the cut is at a run's start, at ``at`` itself, or at a piece boundary of the run there
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    assert cut == at or cut in starts or any(s < cut and (cut - s) % P == 0 for s in starts)
+    zs.clip(7, 0)
+    assert zs.end(7) == 0 and 7 not in zs.zones
+
+
 def _direct_fd(tmp_path, size):
     p = tmp_path / "dio"
     fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)

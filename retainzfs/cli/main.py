@@ -186,6 +186,12 @@ def _fsck_findings(store) -> tuple[list[str], list[str]]:
     orphans = [i.ino for i in store.inodes.values() if i.nlink == 0]
     if orphans:
         repairs.append(f"free {len(orphans)} orphaned inodes (unlinked while open)")
+    lost = store.lost_writes
+    if lost:
+        files = lost["files"]
+        repairs.append(f"cut {len(files)} files where a power cut lost {lost['bytes']} bytes "
+                       f"written without an fsync ({', '.join(files[:3])}"
+                       f"{' ...' if len(files) > 3 else ''})")
     damaged = sorted({f for b in store.bad_zones.values() if b["valid_upto"] is not None
                       for f in b["files"]})
     if damaged:
