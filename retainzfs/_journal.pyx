@@ -232,6 +232,13 @@ def read_pair(dev, int pair, unsigned int fsid, Py_ssize_t bs):
         if nxt is None:
             break
         pos = nxt
+    # A write pointer past the last frame, over bytes never written, is a damaged zone-table
+    # entry (frames are written before the pointer moves; finishing a zone moves it to the
+    # end, so not a FULL one): the mount rolls onto fresh pairs.
+    for c, z in ((a, za), (b, zb)):
+        if c.ok and not damage and pos < c.n and dev.zone(z).cond != 14 and c.blank_from(pos):
+            problems.append(f"metadata zone {z}: write pointer {c.n} past its last frame (which "
+                            f"ends at {pos}): its zone-table entry is damaged")
     # A crash between the two writes of a frame leaves one frame in one copy only; more than
     # one means the shorter copy lost frames (a reset or unreadable zone): damage.
     if only_a > 1:
@@ -532,6 +539,8 @@ class Journal:
         self.flushed = 0
         self.marked = 0
         self._proves = None             # what the plan being written proves (``_mark``)
+        self._all_marked = False        # pending holds a FLUSHED(ALL_BEFORE) (``note_flushed``)
+        self.epoch = 0                  # times pending records were detached
 
     # -- state after mount
     def resume(self, st):
@@ -590,51 +599,66 @@ class Journal:
         before it)."""
         return self.seq - 1
 
-    def note_flushed(self, upto):
-        """A device flush that began after frame ``upto`` was written completed."""
+    def flush_point(self):
+        """Where the log stands as a device flush begins: (the newest frame written, the
+        pending records' epoch and length).  Taken with the namespace lock held (records
+        are queued under it, after the data writes they name completed)."""
+        return self.written(), self.epoch, len(self.pending)
+
+    def note_flushed(self, point):
+        """The device flush that began at ``point`` (``flush_point``, or just the newest
+        frame written then) completed: it covered those frames and every data write named by
+        the records queued before it began.  The latter are proven by a FLUSHED(ALL_BEFORE)
+        record put right after them, if they are still pending (not yet in a frame being
+        written: those frames are proven by the next FLUSHED(upto) instead).  Namespace lock
+        held when ``point`` is a tuple."""
+        upto, epoch, pos = point if isinstance(point, tuple) else (point, -1, 0)
         if upto > self.flushed:
             self.flushed = upto
+        if self.marks and pos and epoch == self.epoch:
+            self.pending[pos:pos] = encode_record(R.FLUSHED, R.pack_flushed(R.ALL_BEFORE))
+            self._all_marked = True
 
     def needs_mark(self):
         """A flush covered frames no FLUSHED record names yet (``Store.sync`` then writes
         one on its own, so a quiet log still proves its last data writes)."""
         return self.marks and self.flushed > self.marked
 
-    def _mark(self, ordered, force):
-        """End the pending records with the proof the flushes so far give: ALL_BEFORE when
-        ``ordered`` (every write before now, data and frames, was flushed: the store knows),
-        else the newest frame a flush covered, if no record named it yet.  Only when records
-        are pending anyway, or ``force``: an idle log never grows for a proof.  What the
-        plan will prove once written goes to ``_proves`` (``commit`` moves ``marked``)."""
+    def _mark(self, force):
+        """Before pending records are detached: what they prove once written goes to
+        ``_proves`` (``commit`` moves ``marked``): an ALL_BEFORE record inside them proves
+        every frame before; and they end with FLUSHED(newest frame a flush covered) if no
+        record named it yet.  That only when records are pending anyway, or ``force``: an
+        idle log never grows for a proof."""
         self._proves = None
-        if not self.marks or not (self.pending or force):
+        if not self.marks:
             return
-        alone = not self.pending
-        if ordered:
-            self.pending += encode_record(R.FLUSHED, R.pack_flushed(R.ALL_BEFORE))
-            self._proves = -1                 # every frame up to the plan's last
-        elif self.flushed > self.marked:
+        if self._all_marked:
+            self._proves = self.written()
+            self._all_marked = False
+        if (self.pending or force) and self.flushed > max(self.marked, self._proves or 0):
+            alone = not self.pending
             self.pending += encode_record(R.FLUSHED, R.pack_flushed(self.flushed))
             # (a frame holding only the proof has nothing to prove itself)
             self._proves = -1 if alone else self.flushed
 
-    def prepare(self, ordered=False, mark=False):
+    def prepare(self, mark=False):
         """Detach pending records (caller holds the namespace lock): a plan for ``commit``.
 
         None, ("append", bodies, raw), ("next", bodies, raw) or ("roll", bodies, raw) where a
         roll's bodies are a whole snapshot taken now (it already holds every pending record).
-        ``ordered``: every data write and frame so far is durable; ``mark``: write the proof
-        (R.FLUSHED) even with nothing else pending (see ``_mark``)."""
+        ``mark``: write the proof (R.FLUSHED) even with nothing else pending (``_mark``)."""
         if self.failed is not None:
             raise OSError(errno.EIO, f"metadata log unusable after an earlier write error: "
                                      f"{self.failed}")
-        self._mark(ordered, mark and self.needs_mark())
+        self._mark(mark and self.needs_mark())
         if not self.pending:
             if self.tight and self._retry_due():     # deletions may have made room
                 return self._roll_if_room(b"")
             return None
         raw = bytes(self.pending)
         self.pending = bytearray()
+        self.epoch += 1
         bodies = self._split(raw)
         size = self._size(bodies)
         if (self.log_bytes >= max(self.snap_bytes, self.roll_floor)
@@ -657,6 +681,7 @@ class Journal:
         bodies = self._image_bodies()
         if len(self._free_pairs()) < self._pairs_for(self._size(bodies)):
             self.pending = bytearray(raw) + self.pending
+            self.epoch += 1
             self._set_tight(0)
             raise OSError(errno.ENOSPC, f"metadata zones full: the snapshot needs "
                                         f"{self._pairs_for(self._size(bodies))} free zone pairs, "
@@ -844,6 +869,7 @@ class Journal:
         """Write a fresh snapshot now (after mount-time repairs, or to restore redundancy)."""
         raw = bytes(self.pending)
         self.pending = bytearray()
+        self.epoch += 1
         self.commit(self._roll_plan(raw), sync=True)
 
     def format(self):

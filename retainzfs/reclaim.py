@@ -115,6 +115,11 @@ class Reclaim:
         """THE reset sequence for ``zones`` with ``io_lock`` held throughout (a GC victim);
         returns the zones reset (those still holding live data are skipped)."""
         s = self.s
+        # The GC copies are durable, and proven so by the records queued after them (a
+        # FLUSHED record, ``Journal.note_flushed``), before the frame with their RELOCATE
+        # records can reach the medium: a power cut that kept the frame and lost a copy would
+        # otherwise lose fsynced data (the frame resets the victim too).
+        s.device_flush()
         zones = self._begin_iolocked(zones)
         if zones:
             s.journal_flush_iolocked(sync=True)     # a failure leaves them in ``resetting``

@@ -337,10 +337,7 @@ class Store:
         ``mark``: with the proof of the last flush even if nothing else is queued."""
         assert self.io_lock._is_owned(), "journal_flush_iolocked without io_lock"
         with self.lock:
-            # ordered: every write so far (data, frames) is durable, so are the data these
-            # records name (they were counted before their records were queued): the frame
-            # proves them (R.FLUSHED)
-            plan = self.journal.prepare(ordered=self._sgen >= self._wgen, mark=mark)
+            plan = self.journal.prepare(mark=mark)
             if plan is None and not sync:
                 return
             g = self._wgen       # data writes completed before the frame (and its flush)
@@ -362,12 +359,13 @@ class Store:
         """Flush the device; written data and journal frames before it are durable after it
         (no lock: ``Reclaim`` calls it with ``io_lock`` let go).  ``_wgen`` counts writes
         once they completed, so what it says before the flush, the flush covers."""
-        g = self._wgen
-        upto = self.journal.written()
+        with self.lock:
+            g = self._wgen
+            point = self.journal.flush_point()    # (the records queued so far: proven after)
         self.dev.flush()
         with self.lock:
             self._sgen = max(self._sgen, g)
-            self.journal.note_flushed(upto)
+            self.journal.note_flushed(point)
             if self.unsynced:
                 sg = self._sgen
                 self.unsynced = {i: w for i, w in self.unsynced.items() if w > sg}

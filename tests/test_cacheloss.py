@@ -253,3 +253,68 @@ def test_a_zone_reset_the_cache_lost_is_not_read_as_the_new_data():
         assert m.s.lost_writes is not None and m.s.lost_writes["files"] == ["/optim.pt"]
     finally:
         m.teardown()
+
+
+class _Cut(Exception):
+    pass
+
+
+def test_a_power_cut_inside_a_gc_pass_keeps_every_fsynced_file(tmp_path):
+    """GC copies live data out of a victim and writes one frame with their RELOCATE records
+    and the victim's ZONE_RESET.  A cut right after that frame reached the medium (before the
+    flush after it) must not lose a copy: the copies are flushed first, and the records queued
+    after them say so (without that, the mount would drop the copies as never proven, or take
+    the zone out of service, and the victim's old bytes are gone by generation)."""
+    path = str(tmp_path / "img")
+    dev = create_image(path, 24 * MiB, 1 * MiB, max_open=6, max_active=8)
+    Store.format(dev)
+    s = Store(dev)
+    cache = DataCacheLoss(path, dev, s.meta_zones)
+    rnd = random.Random(5)
+    files: dict[bytes, bytes] = {}
+
+    def put(name: bytes, n: int) -> None:
+        data = rnd.randbytes(n)
+        ino = s.create(ROOT, name, 0o644).ino
+        s.open(ino)
+        try:
+            s.write(ino, 0, data)
+            s.commit(ino, durable=True)
+        finally:
+            s.release(ino)
+        files[name] = data
+
+    for i in range(40):                    # zones half live, half dead
+        put(b"f%d" % i, 300_000)
+    for i in range(0, 40, 2):
+        s.unlink(ROOT, b"f%d" % i)
+        del files[b"f%d" % i]
+    s.sync()
+    real_commit = s.journal.commit
+    cut = []
+
+    def commit(plan, sync=True):           # the reset sequence's frame: written, then the cut
+        if sync and plan is not None and s.stats["gc_runs"] and not cut:
+            real_commit(plan, sync=False)
+            cut.append(True)
+            raise _Cut()
+        return real_commit(plan, sync)
+    s.journal.commit = commit
+    with pytest.raises(_Cut):
+        for i in range(100):
+            put(b"g%d" % i, 300_000)
+    assert cut, "no GC pass ran"
+    s.files.flusher.shutdown(wait=True)
+    crashed = str(tmp_path / "crashed")
+    cache.crashed_copy(crashed)
+    dev.close()
+    dev = open_device(crashed)
+    try:
+        s = Store(dev)
+        assert s.check() == [] and not s.bad_zones, (s.check(), s.bad_zones)
+        for name, data in files.items():
+            ino = s.lookup(ROOT, name).ino
+            assert s.read(ino, 0, len(data) + 1) == data, name
+    finally:
+        s.files.flusher.shutdown(wait=True)
+        dev.close()
