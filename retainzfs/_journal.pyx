@@ -777,12 +777,15 @@ class Journal:
         self.bytes_written += 2 * len(frame)
         return len(body)
 
-    def _start_pair(self, pair):
+    def _start_pair(self, pair, fresh=False):
+        """Begin writing into ``pair`` (``fresh``: a new log starts there, the old pairs are
+        no longer live).  ``live`` changes in one assignment: threads holding only the
+        namespace lock read it (``growth_ok``) while device calls here let the GIL go."""
         for z in self.zones(pair):
             zi = self.dev.zone(z)
             if zi.wp or zi.cond != 1:
                 self.dev.reset(z)
-        self.live.append(pair)
+        self.live = [pair] if fresh else self.live + [pair]
         self.wp = 0
         self._write_frame(self._super_body())
 
@@ -829,13 +832,12 @@ class Journal:
             self.log_bytes += self._write_frame(body)
 
     def _roll_with(self, bodies):
-        old = list(self.live)
-        free = self._free_pairs()
-        self._release_slots()
-        self.live = []
         # The data the snapshot maps were written before it was taken: durable before it is
         # (recovery takes a snapshot's extents as proven, ``recovery.Proofs``).
         self.dev.flush()
+        old = list(self.live)
+        free = self._free_pairs()
+        self._release_slots()
         size = self._write_spanning(bodies, free)
         upto = self.written()
         self.dev.flush()                  # the new snapshot is durable before the old goes
@@ -850,7 +852,7 @@ class Journal:
 
     def _write_spanning(self, bodies, free):
         """Write frames from a fresh pair on, moving to the next free pair when one fills."""
-        self._start_pair(free.pop(0))
+        self._start_pair(free.pop(0), fresh=True)
         size = 0
         for body in bodies:
             if self.wp + frame_size(len(body), self.bs) > self.cap:

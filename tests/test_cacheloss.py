@@ -186,15 +186,36 @@ def test_power_cuts_that_keep_the_journal_and_lose_data():
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
 
 
-def _put(s: Store, name: bytes, data: bytes) -> int:
+def _put(s: Store, name: bytes, data: bytes, fsync: bool = False) -> int:
+    """Create ``name`` with ``data``; without ``fsync`` a close: its frame goes out with no
+    flush first."""
     ino = s.create(ROOT, name, 0o644).ino
     s.open(ino)
     try:
         s.write(ino, 0, data)
-        s.commit(ino, durable=False)       # a close: its frame goes out with no flush first
+        s.commit(ino, durable=fsync)
     finally:
         s.release(ino)
     return ino
+
+
+def _new_store(tmp_path) -> tuple:
+    """(device, Store, DataCacheLoss) of a fresh 24 MiB image of 1 MiB zones."""
+    path = str(tmp_path / "img")
+    dev = create_image(path, 24 * MiB, 1 * MiB, max_open=6, max_active=8)
+    Store.format(dev)
+    s = Store(dev)
+    return dev, s, DataCacheLoss(path, dev, s.meta_zones)
+
+
+def _cut(tmp_path, dev, s: Store, cache: DataCacheLoss) -> tuple:
+    """The power cut ``cache`` models, then the mount: (device, Store) of the image it left."""
+    s.files.flusher.shutdown(wait=True)
+    crashed = str(tmp_path / "crashed")
+    cache.crashed_copy(crashed)
+    dev.close()
+    dev = open_device(crashed)
+    return dev, Store(dev)
 
 
 @pytest.mark.parametrize("flushed", [False, True])
@@ -203,11 +224,7 @@ def test_only_bytes_no_flush_covered_are_dropped(tmp_path, flushed):
     covered it (the file reads empty, nothing out of service); when a device flush *did*
     cover it (a later frame's FLUSHED record says so), the missing bytes are damage: the zone
     goes out of service and the file reads EIO, as a zone table moved back does."""
-    path = str(tmp_path / "img")
-    dev = create_image(path, 48 * MiB, 1 * MiB, max_open=6, max_active=8)
-    Store.format(dev)
-    s = Store(dev)
-    cache = DataCacheLoss(path, dev, s.meta_zones)
+    dev, s, cache = _new_store(tmp_path)
     before = cache.snap                    # the data zones with nothing written
     a = random.Random(1).randbytes(200_000)
     ino = _put(s, b"a", a)
@@ -215,14 +232,9 @@ def test_only_bytes_no_flush_covered_are_dropped(tmp_path, flushed):
     if flushed:
         s.sync()                           # covers a's data and frame; no record says so yet
     _put(s, b"b", b"x" * 5000)             # its frame names the flush (when there was one)
-    s.files.flusher.shutdown(wait=True)
     cache.snap = before                    # the medium lost a's data all the same
-    crashed = str(tmp_path / "crashed")
-    cache.crashed_copy(crashed)
-    dev.close()
-    dev = open_device(crashed)
+    dev, s = _cut(tmp_path, dev, s, cache)
     try:
-        s = Store(dev)
         ino = s.lookup(ROOT, b"a").ino
         if flushed:
             assert zone in s.bad_zones and "behind committed data" in s.bad_zones[zone]["reason"]
@@ -265,24 +277,14 @@ def test_a_power_cut_inside_a_gc_pass_keeps_every_fsynced_file(tmp_path):
     flush after it) must not lose a copy: the copies are flushed first, and the records queued
     after them say so (without that, the mount would drop the copies as never proven, or take
     the zone out of service, and the victim's old bytes are gone by generation)."""
-    path = str(tmp_path / "img")
-    dev = create_image(path, 24 * MiB, 1 * MiB, max_open=6, max_active=8)
-    Store.format(dev)
-    s = Store(dev)
-    cache = DataCacheLoss(path, dev, s.meta_zones)
+    dev, s, cache = _new_store(tmp_path)
     rnd = random.Random(5)
     files: dict[bytes, bytes] = {}
 
     def put(name: bytes, n: int) -> None:
         data = rnd.randbytes(n)
-        ino = s.create(ROOT, name, 0o644).ino
-        s.open(ino)
-        try:
-            s.write(ino, 0, data)
-            s.commit(ino, durable=True)
-        finally:
-            s.release(ino)
-        files[name] = data
+        _put(s, name, data, fsync=True)
+        files[name] = data                 # acknowledged
 
     for i in range(40):                    # zones half live, half dead
         put(b"f%d" % i, 300_000)
@@ -304,13 +306,8 @@ def test_a_power_cut_inside_a_gc_pass_keeps_every_fsynced_file(tmp_path):
         for i in range(100):
             put(b"g%d" % i, 300_000)
     assert cut, "no GC pass ran"
-    s.files.flusher.shutdown(wait=True)
-    crashed = str(tmp_path / "crashed")
-    cache.crashed_copy(crashed)
-    dev.close()
-    dev = open_device(crashed)
+    dev, s = _cut(tmp_path, dev, s, cache)
     try:
-        s = Store(dev)
         assert s.check() == [] and not s.bad_zones, (s.check(), s.bad_zones)
         for name, data in files.items():
             ino = s.lookup(ROOT, name).ino

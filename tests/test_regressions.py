@@ -285,6 +285,34 @@ def test_write_pointer_behind_live_data(mounted):
     assert str(za[0]) not in mounted.status()["bad_zones"]
 
 
+def test_a_metadata_write_pointer_moved_past_its_frames_is_reported_and_repaired(mounted):
+    """A flipped bit that moves one metadata copy's write pointer forward over bytes never
+    written passed for a clean image (fsck exit 0; found by the metadata damage campaign
+    once stop 21's flush records moved the log's end into an open zone): fsck names it,
+    a mount rolls the metadata onto fresh zones, fsck is clean after."""
+    data = os.urandom(MiB)
+    (mounted / "a").write_bytes(data)
+    mounted.umount()
+    from retainzfs._journal import probe_superblock
+    from retainzfs.device import open_device
+    d = open_device(str(mounted.img), readonly=True)
+    try:
+        meta = probe_superblock(d).meta_zones
+        z = next(z for z in range(meta) if d.zone(z).cond != 0xE and d.zone(z).wp)
+        wp = d.zone(z).wp
+    finally:
+        d.close()
+    _set_zone(mounted.img, z, wp=wp + 8192)
+    p = fsck(mounted.img)
+    assert p.returncode != 0 and f"metadata zone {z}: write pointer" in p.stdout, p.stdout
+    mounted.mount()
+    assert (mounted / "a").read_bytes() == data
+    mounted.umount()
+    p = fsck(mounted.img)
+    assert p.returncode == 0, p.stdout
+    mounted.mount()
+
+
 # ------------------------------------------------------------------ 7. mount options
 @pytest.mark.parametrize("opt,needle", [
     ("sync_interval=-1", "sync_interval"), ("sync_interval=nan", "sync_interval"),
