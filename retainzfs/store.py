@@ -356,9 +356,12 @@ class Store:
                 self._sgen = max(self._sgen, g + (plan is not None))
 
     def device_flush(self) -> None:
-        """Flush the device; written data and journal frames before it are durable after it
-        (no lock: ``Reclaim`` calls it with ``io_lock`` let go).  ``_wgen`` counts writes
-        once they completed, so what it says before the flush, the flush covers."""
+        """Flush the device; written data and journal frames before it are durable after it.
+        Takes Store.lock only around the counts: an fsync and ``Reclaim``'s deletion resets
+        call it with ``io_lock`` let go, a GC pass with it held (its copies must be durable
+        before their frame).  ``_wgen`` counts writes once they completed, so what it says
+        before the flush, the flush covers; so do the records queued before it (the journal
+        is told: ``Journal.note_flushed``)."""
         with self.lock:
             g = self._wgen
             point = self.journal.flush_point()    # (the records queued so far: proven after)
