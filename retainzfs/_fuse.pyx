@@ -19,7 +19,7 @@ READDIRPLUS always (the kernel takes a lookup reference for each entry but ``.``
 handler counts it), EXPORT_SUPPORT (``..`` lookups), no writeback cache, no ACLs; IOCTL, locks,
 fallocate, copy_file_range and lseek answer ENOSYS (libfuse's default for a missing handler).
 """
-from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free
@@ -29,6 +29,7 @@ import errno as _errno
 import logging
 import os
 
+from ._iobuf import WriteArenas
 from .errors import FsError
 
 log = logging.getLogger("retainzfs")
@@ -221,6 +222,11 @@ cdef extern from *:
 
 #: writes at least this long are copied out of libfuse's buffer without the GIL
 cdef size_t NOGIL_COPY = 64 << 10
+#: large writes are copied into page-aligned arenas (``_iobuf.WriteArenas``): an O_DIRECT
+#: flush of them goes to the device straight from there (``DataPath.stage``), so a request's
+#: bytes are copied once in the daemon, not twice (into a ``bytes``, then into an aligned
+#: staging buffer)
+cdef object _arenas = WriteArenas()
 
 cdef object _ops = None           # the handlers (fs.Operations); one session per process
 cdef fuse_session *_se = NULL
@@ -494,8 +500,16 @@ cdef void h_read(fuse_req_t req, fuse_ino_t ino, size_t size, long off,
 cdef void h_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, long off,
                    fuse_file_info *fi) noexcept with gil:
     cdef char *dst
+    cdef Py_buffer pb
     try:
-        if size >= NOGIL_COPY:          # a fresh object: nobody sees it until the call
+        data = _arenas.reserve(ino, off, size)      # nobody else sees it until the call
+        if data is not None:
+            PyObject_GetBuffer(data, &pb, PyBUF_WRITABLE)
+            dst = <char *>pb.buf
+            with nogil:
+                memcpy(dst, buf, size)
+            PyBuffer_Release(&pb)
+        elif size >= NOGIL_COPY:        # a fresh object: nobody sees it until the call
             data = PyBytes_FromStringAndSize(NULL, size)
             dst = PyBytes_AS_STRING(data)
             with nogil:
@@ -510,6 +524,7 @@ cdef void h_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, 
 
 
 cdef void h_flush(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept with gil:
+    _arenas.drop(ino)                   # a closed file does not keep its arena
     _answer_ok(req, b"flush", _ops.flush, (fi.fh,))
 
 

@@ -101,11 +101,17 @@ rz_crc_init()
 
 PAGE = 4096
 #: pooled sizes are powers of two from 64 KiB to 16 MiB; at most POOL_KEEP of each are kept
-#: (fewer of the large ones: 32 MiB per class)
+#: (fewer of the large ones: 32 MiB per class), and of the 1 MiB class, which FUSE write
+#: requests use (``_fuse``: a write's bytes land in an AlignedBuf and go to the device from
+#: there), POOL_KEEP_WRITE: a fresh mapping costs a fault and a zeroing per page, as much as
+#: the copy it saves, so the buffers of the writes in flight (8 writers: ~64 MiB) are reused.
+#: ``pool_trim`` gives them all back once writing stops (the mount's idle hook).
 cdef int _MIN_SHIFT = 16
 cdef int _MAX_SHIFT = 24
 cdef int POOL_KEEP = 16
-cdef void* _pool[9][16]
+cdef int POOL_KEEP_WRITE = 96
+cdef int _WRITE_SHIFT = 20
+cdef void* _pool[9][96]
 cdef int _pool_n[9]
 cdef char *_FMT_B = "B"
 #: buffers of this size or more are mapped, not taken from the heap: freed (beyond the pool)
@@ -120,6 +126,13 @@ cdef int _size_class(size_t n) noexcept nogil:
     while s <= _MAX_SHIFT and (<size_t>1 << s) < n:
         s += 1
     return s
+
+
+cdef inline int _keep(int cls) noexcept nogil:
+    """How many freed buffers of size class ``cls`` the pool keeps."""
+    if cls == _WRITE_SHIFT:
+        return POOL_KEEP_WRITE
+    return POOL_KEEP if cls <= 21 else (1 << (25 - cls))
 
 
 cdef class AlignedBuf:
@@ -162,7 +175,7 @@ cdef class AlignedBuf:
         if self.cls <= _MAX_SHIFT:
             i = self.cls - _MIN_SHIFT
             # at most 32 MiB kept per size class above 2 MiB: the daemon's RSS stays bounded
-            if _pool_n[i] < (POOL_KEEP if self.cls <= 21 else (1 << (25 - self.cls))):
+            if _pool_n[i] < _keep(self.cls):
                 _pool[i][_pool_n[i]] = self.mem
                 _pool_n[i] += 1
                 self.mem = NULL
@@ -454,6 +467,130 @@ def pooled_bytes() -> int:
     for i in range(_MAX_SHIFT - _MIN_SHIFT + 1):
         n += <size_t>_pool_n[i] << (i + _MIN_SHIFT)
     return n
+
+
+cdef class WriteArenas:
+    """Where the FUSE binding copies the payload of large write requests: 1 MiB page-aligned
+    arenas, one open per file, filled in file order, so a flush of them goes to an O_DIRECT
+    device with no staging copy (``DataPath.stage``: each part page-aligned, whole blocks).
+
+    Why arenas and not a buffer per request: an application's 1 MiB ``write`` from memory that
+    is not page-aligned (any Python ``bytes``, most tensors) reaches the daemon as two requests,
+    1 MiB less a few bytes and those few bytes (the kernel caps a request at 256 pages);
+    copied into an arena in turn, they fill it exactly and ``WriteBuffer`` joins the two
+    views into one (``join_views``).
+
+    ``reserve(key, off, n)`` gives a writable view of ``n`` bytes to copy a write at file
+    offset ``off`` into: the rest of the file's open arena if the write continues it and
+    fits, else a new arena when ``n >= min_new`` (else None: a small write, copied elsewhere).
+    Memory: a view keeps its arena alive; a new arena is made only for a write of at least
+    half an arena (so at most twice the bytes held), at most ``max_open`` files have one open
+    (the oldest is let go), and ``drop`` lets go of a file's (its close).  Needs the GIL;
+    the copy into a reserved view may run without it (views never overlap)."""
+    cdef dict _open
+    cdef public Py_ssize_t size, min_new, max_open
+
+    def __init__(self, Py_ssize_t size=1 << 20, Py_ssize_t min_new=512 << 10,
+                 Py_ssize_t max_open=64):
+        if size <= 0 or min_new <= 0 or max_open <= 0:
+            raise ValueError("WriteArenas: sizes must be positive")
+        self._open = {}
+        self.size, self.min_new, self.max_open = size, min_new, max_open
+
+    def reserve(self, key, long long off, Py_ssize_t n):
+        cdef list a = self._open.get(key)
+        cdef Py_ssize_t fill
+        if a is not None:
+            fill = a[2]
+            if off == a[1] + fill and fill + n <= self.size:
+                a[2] = fill + n
+                if fill + n == self.size:
+                    del self._open[key]
+                return memoryview(a[0])[fill:fill + n]
+            del self._open[key]
+        if n < self.min_new or n <= 0:
+            return None
+        if n >= self.size:
+            return memoryview(AlignedBuf(n))
+        buf = AlignedBuf(self.size)
+        while len(self._open) >= self.max_open:
+            del self._open[next(iter(self._open))]
+        self._open[key] = [buf, off, n]
+        return memoryview(buf)[0:n]
+
+    def drop(self, key) -> None:
+        self._open.pop(key, None)
+
+    def __len__(self):
+        return len(self._open)
+
+
+def join_views(a, b):
+    """One view of ``a``'s bytes then ``b``'s when both are byte views of the same object
+    and ``b``'s memory starts where ``a``'s ends (two requests copied into one arena in
+    turn, ``WriteArenas``); else None."""
+    if type(a) is not memoryview or type(b) is not memoryview:
+        return None
+    obj = a.obj
+    if obj is None or b.obj is not obj or not a.c_contiguous or not b.c_contiguous:
+        return None
+    cdef Py_buffer pa, pb, po
+    cdef Py_ssize_t start
+    PyObject_GetBuffer(a, &pa, PyBUF_SIMPLE)
+    try:
+        PyObject_GetBuffer(b, &pb, PyBUF_SIMPLE)
+        try:
+            if <char *>pa.buf + pa.len != <char *>pb.buf:
+                return None
+            PyObject_GetBuffer(obj, &po, PyBUF_SIMPLE)
+            try:
+                start = <char *>pa.buf - <char *>po.buf
+                if start < 0 or start + pa.len + pb.len > po.len:
+                    return None
+            finally:
+                PyBuffer_Release(&po)
+            return memoryview(obj)[start:start + pa.len + pb.len]
+        finally:
+            PyBuffer_Release(&pb)
+    finally:
+        PyBuffer_Release(&pa)
+
+
+def pool_trim() -> int:
+    """Give every pooled buffer back to the kernel (after a burst of writes: the mount's idle
+    hook); returns the bytes freed.  Needs the GIL (as every pool change does)."""
+    cdef int i, cls
+    cdef size_t n = 0, cap
+    for i in range(_MAX_SHIFT - _MIN_SHIFT + 1):
+        cls = i + _MIN_SHIFT
+        cap = <size_t>1 << cls
+        while _pool_n[i]:
+            _pool_n[i] -= 1
+            if cap >= _MAP_MIN:
+                munmap(_pool[i][_pool_n[i]], cap)
+            else:
+                free(_pool[i][_pool_n[i]])
+            n += cap
+    return n
+
+
+def aligned_parts(parts, Py_ssize_t align, Py_ssize_t max_parts=1024) -> bool:
+    """True when every buffer of ``parts`` starts on a page and is a multiple of ``align``
+    bytes long, and there are at most ``max_parts`` (IOV_MAX) of them: what an O_DIRECT
+    ``pwritev`` takes straight from the caller's memory, with no staging copy."""
+    cdef Py_buffer pb
+    cdef Py_ssize_t k = 0
+    for p in parts:
+        k += 1
+        if k > max_parts:
+            return False
+        PyObject_GetBuffer(p, &pb, PyBUF_SIMPLE)
+        try:
+            if (<size_t>pb.buf) % PAGE or pb.len % align or pb.len == 0:
+                return False
+        finally:
+            PyBuffer_Release(&pb)
+    return k > 0
 
 
 def hardware_crc() -> bool:

@@ -21,7 +21,7 @@ from time import perf_counter
 from . import hints as H
 from . import records as R
 from ._alloc import NoSpace
-from ._iobuf import gather_crc
+from ._iobuf import aligned_parts, gather_crc
 from .csums import CSUM_PIECE, crcs_of
 from .device import ZoneCond
 from .errors import FsError
@@ -35,14 +35,16 @@ STAGE_MIN = 256 << 10
 
 
 class Staged:
-    """A flush copied into one page-aligned, block-padded buffer (its length is the padded
-    length) with its checksums, made with no lock held.  ``write`` uses it when the
-    bytes go to the device as one run (the usual case); a run split where a zone ends falls
-    back to the scatter list."""
-    __slots__ = ("buf", "crcs")
+    """A flush ready for the device, made with no lock held: ``buf`` (``n`` bytes, a multiple
+    of the block size) and its checksums.  ``buf`` is either the flush's own parts, when
+    each is page-aligned and whole blocks long (FUSE write requests land in such buffers,
+    ``_fuse``: O_DIRECT takes them as they are, no copy), or one page-aligned, block-padded
+    copy of them.  ``write`` uses it when the bytes go to the device as one run (the usual
+    case); a run split where a zone ends falls back to the scatter list."""
+    __slots__ = ("buf", "crcs", "n")
 
-    def __init__(self, buf, crcs) -> None:
-        self.buf, self.crcs = buf, crcs
+    def __init__(self, buf, crcs, n: int) -> None:
+        self.buf, self.crcs, self.n = buf, crcs, n
 
 log = logging.getLogger("retainzfs")
 
@@ -225,14 +227,20 @@ class DataPath:
     # ------------------------------------------------------------------ THE write loop
     def stage(self, data: Chunks) -> Staged | None:
         """The CPU half of a write, done before io_lock so it overlaps the device write of
-        another file: the copy into aligned memory that O_DIRECT needs (then written with no
-        further copy) and the CRC32C pieces.  None below ``STAGE_MIN``.  No lock needed:
-        ``data`` is a file's in-flight prefix, which only its own flush touches."""
+        another file: the CRC32C pieces, and the copy into aligned memory that O_DIRECT needs
+        (then written with no further copy) unless the parts are page-aligned whole blocks
+        already, as FUSE write requests of 64 KiB and more are (``_fuse``).  None below
+        ``STAGE_MIN``.  No lock needed: ``data`` is a file's in-flight prefix, which only its
+        own flush touches, and its parts are never changed once appended."""
         n = len(data)
         if n < STAGE_MIN:
             return None
-        padded = -(-n // self.s.bs) * self.s.bs
-        return Staged(*gather_crc(data.parts, n, padded, CSUM_PIECE))
+        bs = self.s.bs
+        parts = data.parts
+        if not n % bs and aligned_parts(parts, bs):
+            return Staged(parts, crcs_of(parts, n), n)
+        padded = -(-n // bs) * bs
+        return Staged(*gather_crc(parts, n, padded, CSUM_PIECE), padded)
 
     def write(self, ino: int, off: int, data: Chunks, hint: H.Hint,
               copy_from: tuple[int, list] | None = None,
@@ -288,9 +296,12 @@ class DataPath:
                         s.alloc.note_write(zone, pad, reclaim, False)
                     stats["data_write_s"] += perf_counter() - t_lock
             done = False                  # the turn passed (or the reservation taken back)
+            unstaged = 0                  # bytes written from the FUSE requests' own buffers
             try:
-                if staged is not None and pos == 0 and nbytes == len(staged.buf):
+                if staged is not None and pos == 0 and nbytes == staged.n:
                     chunk, crcs = staged.buf, staged.crcs     # one run: as staged
+                    if type(chunk) is list:
+                        unstaged = nbytes
                 else:
                     chunk = data.slice(pos, pos + payload)
                     if pad:
@@ -305,6 +316,7 @@ class DataPath:
                     s._wgen += 1
                     s.unsynced[ino] = s._wgen
                     stats["device_write_s"] += t_dev
+                    stats["unstaged_bytes"] += unstaged
                     s.do_locked(R.CSUM, R.pack_csum(zone, zg, zoff, nbytes, crcs))
                     if not gc:
                         stats["payload_bytes"] += payload

@@ -427,7 +427,11 @@ class _DirectIO:
         scatter list is copied once into the aligned scratch buffer, without the GIL.
         """
         single = not (type(data) is list or type(data) is tuple)
-        if single and self.zero_copy_write and n >= _DIO_ZERO_COPY_MIN:
+        if (not single and self.zero_copy_write and n >= _DIO_ZERO_COPY_MIN
+                and _iobuf.aligned_parts(data, self.align)):
+            if self._pwritev_parts(off, data, n):
+                return
+        elif single and self.zero_copy_write and n >= _DIO_ZERO_COPY_MIN:
             src = data if type(data) is memoryview and data.format == "B" else memoryview(data).cast("B")
             done = 0
             try:
@@ -450,6 +454,37 @@ class _DirectIO:
             raise _err(e.errno or errno.EIO, f"{self.path}: {e.strerror}") from None
         if w != n:
             raise _err(errno.EIO, f"{self.path}: short direct write ({w} of {n} bytes)")
+
+    def _pwritev_parts(self, off: int, parts, n: int) -> bool:
+        """``pwritev`` of a scatter list whose buffers are all page-aligned whole blocks,
+        straight from them (a flush of FUSE write requests); False (nothing written) when the
+        kernel refuses the memory, which turns zero copy off on this descriptor."""
+        views = [p if type(p) is memoryview else memoryview(p) for p in parts]
+        total = sum(v.nbytes for v in views)
+        if total != n:
+            raise ValueError(f"direct write: {total} bytes in the parts, {n} expected")
+        done = 0
+        while done < n:
+            try:
+                w = os.pwritev(self.fd, views, off + done)
+            except OSError as e:
+                if e.errno == errno.EINVAL and not done:
+                    self.zero_copy_write = False    # memory alignment refused: bounce
+                    return False
+                raise _err(e.errno or errno.EIO, f"{self.path}: {e.strerror}") from None
+            if w <= 0 or w % self.align:
+                raise _err(errno.EIO, f"{self.path}: short direct write ({w} of {n - done} "
+                                      f"bytes)")
+            done += w
+            while w:                            # drop what was written (rare: short write)
+                k = views[0].nbytes
+                if w >= k:
+                    views.pop(0)
+                    w -= k
+                else:
+                    views[0] = views[0][w:]
+                    w = 0
+        return True
 
     def pread_view(self, off: int, length: int) -> memoryview:
         """Read ``length`` bytes at ``off`` into a pooled page-aligned buffer (one DMA, no

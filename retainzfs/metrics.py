@@ -55,7 +55,9 @@ class StoreCollector:
                 ("retainzfs_gc_aborted_total", "gc_aborted",
                  "GC passes that left their victim: no room for a copy, or a bad checksum"),
                 ("retainzfs_checksum_errors_total", "checksum_errors",
-                 "Data reads refused: checksum mismatch")):
+                 "Data reads refused: checksum mismatch"),
+                ("retainzfs_unstaged_write_bytes_total", "unstaged_write_bytes",
+                 "Bytes written to the device straight from the write requests' buffers")):
             c = CounterMetricFamily(name.removesuffix("_total"), doc)
             c.add_metric([], float(st[key]))
             yield c

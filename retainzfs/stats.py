@@ -172,6 +172,9 @@ class StoreStats:
                 # the device writes, which run outside it (summed over threads)
                 "data_write_seconds": round(st["data_write_s"], 6),
                 "device_write_seconds": round(st["device_write_s"], 6),
+                # bytes the data path wrote straight from the write requests' buffers
+                # (page-aligned, whole blocks), with no staging copy in the daemon
+                "unstaged_write_bytes": st["unstaged_bytes"],
                 "daemon": daemon,
             }
 

@@ -177,6 +177,9 @@ class Store:
         self.stats = {"payload_bytes": 0, "pad_bytes": 0, "gc_copied_bytes": 0, "zone_resets": 0,
                       "zone_finishes": 0, "commits": 0, "enospc": 0, "gc_runs": 0, "gc_aborted": 0,
                       "checksum_errors": 0, "stale_extents": 0,
+                      # flushed bytes written from the FUSE requests' own aligned buffers
+                      # (no staging copy: ``DataPath.stage``)
+                      "unstaged_bytes": 0,
                       # seconds in the write loop (io_lock held) and in its device writes
                       "data_write_s": 0.0, "device_write_s": 0.0}
         self.csums = ZoneChecksums()

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
+from ._iobuf import join_views
+
 SMALL = 64 << 10        # writes below this are copied into the tail instead of kept as parts
 
 
@@ -92,6 +94,12 @@ class WriteBuffer:
         elif off != self.off + self.length:
             return False
         n = len(data)
+        if not self._tail and self.chunks:
+            joined = join_views(self.chunks[-1], data)      # the rest of the same arena
+            if joined is not None:
+                self.chunks[-1] = joined
+                self.length += n
+                return True
         if n < SMALL:
             self._tail += data
             if len(self._tail) >= SMALL:

@@ -270,12 +270,12 @@ def _default_log(mnt: str) -> str:
 
 
 def _tune_malloc():
-    """Keep 1 MiB request buffers on the heap instead of a fresh mmap per FUSE write.
+    """Keep request buffers on the heap instead of a fresh mmap per FUSE write.
 
-    The FUSE binding allocates a new bytes object for every write request; above glibc's default
-    128 KiB mmap threshold each one costs an mmap, 256 page faults and an munmap, which was
-    a third of the per-request time.  Heap reuse is bounded by the write buffers (FLUSH_BYTES
-    per open file).
+    The FUSE binding allocates a new bytes object for every write request below half a
+    megabyte (larger ones go into ``_iobuf``'s pooled write arenas); above glibc's default
+    128 KiB mmap threshold each one would cost an mmap, a page fault per page and an munmap,
+    which was a third of the per-request time.  Heap reuse is bounded by the write buffers.
 
     And two malloc arenas, not glibc's eight per core: each of the ~40 threads (FUSE workers,
     flushers, readahead) that frees a request buffer otherwise keeps it in an arena of its
@@ -283,7 +283,8 @@ def _tune_malloc():
     207-210 MiB.  (Aligned I/O buffers do not come from the heap at all: ``_iobuf``.)
 
     Returns the periodic tick's hook (``fs.serve(idle=...)``) that gives the heap's free pages
-    back (``malloc_trim``) once a burst of writes is over: the buffers' heap is only reused,
+    back (``malloc_trim``, and ``_iobuf.pool_trim`` for the pooled aligned buffers) once a
+    burst of writes is over: the buffers' heap is only reused,
     never returned, so a daemon that had written 2,000 files at once stayed at 450 MiB while
     idle; trimmed it holds what it uses."""
     try:
@@ -296,6 +297,7 @@ def _tune_malloc():
         trim = libc.malloc_trim
     except (OSError, AttributeError):
         return None
+    from .. import _iobuf
     seen = {"tick": 0, "trim": 0}
 
     def idle(store) -> None:
@@ -308,6 +310,7 @@ def _tune_malloc():
         if quiet and written != seen["trim"] and store.files.buffered == 0:
             seen["trim"] = written
             trim(0)
+            _iobuf.pool_trim()          # the write requests' aligned buffers, too
     return idle
 
 
