@@ -448,11 +448,13 @@ class Records:
     """The records after the snapshot, decoded frame by frame as they are iterated (a mount
     never holds a Python object per record).  ``consume()`` iterates once and drops each
     frame body as soon as its records are applied.  SUPER and snapshot records (an
-    interrupted later roll) are left out."""
+    interrupted later roll) are left out.  ``salvaged``: what ``salvage_records`` said of
+    frames that passed their checksum but did not decode (the mount reports them)."""
 
     def __init__(self):
         self.bodies = []
         self.seqs = []                  # the frame number of each body
+        self.salvaged = []              # (frame number, what was done)
 
     def __iter__(self):
         for body in self.bodies:
@@ -461,13 +463,8 @@ class Records:
                     yield t, pl
 
     def consume(self):
-        bodies, self.bodies = self.bodies, []
-        bodies.reverse()
-        while bodies:
-            body = bodies.pop()
-            for t, pl in _recs(body):
-                if t not in _SKIP:
-                    yield t, pl
+        for _, recs in self.consume_frames():
+            yield from recs
 
     def consume_frames(self):
         """As ``consume``, frame by frame: (frame number, [(type, payload)])."""
@@ -477,7 +474,8 @@ class Records:
         seqs.reverse()
         while bodies:
             body = bodies.pop()
-            yield seqs.pop(), [(t, pl) for t, pl in _recs(body) if t not in _SKIP]
+            seq = seqs.pop() if seqs else -1
+            yield seq, [(t, pl) for t, pl in _recs(body, self.salvaged, seq) if t not in _SKIP]
 
     def __len__(self):
         return sum(1 for _ in self)
@@ -486,11 +484,67 @@ class Records:
         return list(self) == list(other)
 
 
-def _recs(body):
+def _recs(body, salvaged=None, seq=-1):
     try:
         return decode_records(body)
     except ValueError:
-        return []
+        pass
+    recs, what = salvage_records(body)
+    if salvaged is not None:
+        salvaged.append((seq, what))
+    return recs
+
+
+def _decode_prefix(body):
+    """The records of ``body`` up to the first that does not decode, and where that is."""
+    cdef const unsigned char[:] v = memoryview(body).cast("B")
+    cdef Py_ssize_t pos = 0, total = v.shape[0], length
+    out = []
+    while pos + REC_HEADER <= total:
+        length = v[pos] | (v[pos + 1] << 8) | (v[pos + 2] << 16) | (<Py_ssize_t>v[pos + 3] << 24)
+        if length < 1 or pos + 4 + length > total:
+            break
+        out.append((v[pos + 4], bytes(body[pos + 5:pos + 4 + length])))
+        pos += 4 + length
+    return out, pos
+
+
+def salvage_records(body):
+    """The records of a frame body that passed its checksum but does not decode: (records,
+    what was done).  The one known cause is the journal of stop 26 (format feature
+    flush_marks, before this fix): two overlapping device flushes could put a
+    FLUSHED(ALL_BEFORE) record inside another record (or inside another such record).
+    Those inserted bytes are taken out again, one at a time, each time the one that lets the
+    body decode furthest (never less far); if it then decodes whole, every record is back
+    (less those proofs, which only makes the mount verify more).  Else the records before
+    the first bad one are kept, and the rest of the frame is lost."""
+    mark = encode_record(R.FLUSHED, R.pack_flushed(R.ALL_BEFORE))
+    ln = len(mark)
+    body = bytes(body)
+    first = _decode_prefix(body)
+    cur = body
+    removed = 0
+    while removed < 64:
+        recs, end = _decode_prefix(cur)
+        if end == len(cur):
+            return recs, (f"records decoded whole after taking out {removed} misplaced "
+                          f"FLUSHED record(s)")
+        best, gain = None, -1
+        at = cur.find(mark)
+        while at >= 0:
+            trial = cur[:at] + cur[at + ln:]
+            e2 = _decode_prefix(trial)[1]
+            g = len(cur) if e2 == len(trial) else e2 - (end - (ln if at < end else 0))
+            if g > gain:
+                best, gain = trial, g
+            at = cur.find(mark, at + 1)
+        if best is None:
+            break
+        cur = best
+        removed += 1
+    recs, end = first
+    return recs, (f"{len(recs)} records kept; the frame's {len(body) - end} bytes from the "
+                  f"first that does not decode are lost")
 
 
 # ---- the log writer ----------------------------------------------------------------------
@@ -541,6 +595,12 @@ class Journal:
         self._proves = None             # what the plan being written proves (``_mark``)
         self._all_marked = False        # pending holds a FLUSHED(ALL_BEFORE) (``note_flushed``)
         self.epoch = 0                  # times pending records were detached
+        # FLUSHED(ALL_BEFORE) records put into pending this epoch: (position in appended
+        # bytes, length).  Flush points are taken in appended bytes, not in pending's bytes,
+        # which those insertions shift: two overlapping device flushes (A begins, records
+        # come, B begins, A ends, B ends) put B's record inside a record otherwise (stop 26:
+        # the frame passed its checksum and replay dropped all of it)
+        self._inserted = []
 
     # -- state after mount
     def resume(self, st):
@@ -601,9 +661,17 @@ class Journal:
 
     def flush_point(self):
         """Where the log stands as a device flush begins: (the newest frame written, the
-        pending records' epoch and length).  Taken with the namespace lock held (records
+        pending records' epoch, and their length in appended bytes: ``note_flushed`` adds
+        the FLUSHED records put in since).  Taken with the namespace lock held (records
         are queued under it, after the data writes they name completed)."""
-        return self.written(), self.epoch, len(self.pending)
+        return (self.written(), self.epoch,
+                len(self.pending) - sum(n for _, n in self._inserted))
+
+    def _new_epoch(self):
+        """Pending records were detached (or put back before others): flush points taken
+        before no longer name positions in them."""
+        self.epoch += 1
+        self._inserted = []
 
     def note_flushed(self, point):
         """The device flush that began at ``point`` (``flush_point``, or just the newest
@@ -616,7 +684,10 @@ class Journal:
         if upto > self.flushed:
             self.flushed = upto
         if self.marks and pos and epoch == self.epoch:
-            self.pending[pos:pos] = encode_record(R.FLUSHED, R.pack_flushed(R.ALL_BEFORE))
+            rec = encode_record(R.FLUSHED, R.pack_flushed(R.ALL_BEFORE))
+            at = pos + sum(n for q, n in self._inserted if q <= pos)   # a record boundary
+            self.pending[at:at] = rec
+            self._inserted.append((pos, len(rec)))
             self._all_marked = True
 
     def needs_mark(self):
@@ -658,7 +729,7 @@ class Journal:
             return None
         raw = bytes(self.pending)
         self.pending = bytearray()
-        self.epoch += 1
+        self._new_epoch()
         bodies = self._split(raw)
         size = self._size(bodies)
         if (self.log_bytes >= max(self.snap_bytes, self.roll_floor)
@@ -681,7 +752,7 @@ class Journal:
         bodies = self._image_bodies()
         if len(self._free_pairs()) < self._pairs_for(self._size(bodies)):
             self.pending = bytearray(raw) + self.pending
-            self.epoch += 1
+            self._new_epoch()
             self._set_tight(0)
             raise OSError(errno.ENOSPC, f"metadata zones full: the snapshot needs "
                                         f"{self._pairs_for(self._size(bodies))} free zone pairs, "
@@ -871,7 +942,7 @@ class Journal:
         """Write a fresh snapshot now (after mount-time repairs, or to restore redundancy)."""
         raw = bytes(self.pending)
         self.pending = bytearray()
-        self.epoch += 1
+        self._new_epoch()
         self.commit(self._roll_plan(raw), sync=True)
 
     def format(self):

@@ -203,6 +203,12 @@ class MountRecovery:
                     s.replayed_records += len(recs)
             finally:
                 s.applier.proofs = None
+            for seq, what in info.records.salvaged:
+                # passed its checksum, did not decode: a writer's bug (stop 26's journal);
+                # reported, and the mount rolls a fresh snapshot of what it recovered
+                msg = f"metadata log frame {seq} did not decode: {what}"
+                log.error("%s", msg)
+                s.meta_problems.append(msg)
             if proofs is not None:
                 self.drop_lost_writes(proofs)
         # A file's size is journaled at close/fsync, its EXTENT records whenever data reach a
