@@ -229,7 +229,7 @@ class DataPath:
         """The CPU half of a write, done before io_lock so it overlaps the device write of
         another file: the CRC32C pieces, and the copy into aligned memory that O_DIRECT needs
         (then written with no further copy) unless the parts are page-aligned whole blocks
-        already, as FUSE write requests of 64 KiB and more are (``_fuse``).  None below
+        already, as large FUSE writes are (their arenas: ``_fuse``, ``WriteArenas``).  None below
         ``STAGE_MIN``.  No lock needed: ``data`` is a file's in-flight prefix, which only its
         own flush touches, and its parts are never changed once appended."""
         n = len(data)
