@@ -40,15 +40,18 @@ class Run:
 
 class _ZoneRuns:
     """The runs of one zone as parallel arrays (28 bytes a run, not three objects)."""
-    __slots__ = ("starts", "lens", "first", "crcs")
+    __slots__ = ("starts", "lens", "first", "crcs", "hi")
 
     def __init__(self) -> None:
         self.starts = array("Q")      # zone offset of each run (sorted)
         self.lens = array("Q")        # its length
         self.first = array("Q")       # index of its first CRC in ``crcs``
         self.crcs = array("I")
+        self.hi = 0                   # past the last byte any run covers (``end``)
 
     def add(self, zoff: int, length: int, crcs: array) -> None:
+        if zoff + length > self.hi:
+            self.hi = zoff + length
         i = len(self.starts)
         if i and zoff < self.starts[-1]:
             i = bisect_right(self.starts, zoff)
@@ -68,8 +71,9 @@ class _ZoneRuns:
             self.first[k] += len(crcs)
 
     def end(self) -> int:
-        """Zone offset past the last byte any run covers."""
-        return max((a + n for a, n in zip(self.starts, self.lens)), default=0)
+        """Zone offset past the last byte any run covers (kept by ``add`` and ``clip``: a
+        mount asks it of every zone, twice)."""
+        return self.hi
 
     def clip(self, at: int) -> int:
         """Forget what lies at or past zone offset ``at`` (bytes the medium lost) and return
@@ -90,6 +94,7 @@ class _ZoneRuns:
             f = self.first[i]
             keep.append((a, n, self.crcs[f:f + -(-n // CSUM_PIECE)]))
         self.starts, self.lens, self.first, self.crcs = array("Q"), array("Q"), array("Q"), array("I")
+        self.hi = 0
         for a, n, c in keep:
             self.add(a, n, c)
         return cut

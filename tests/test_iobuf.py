@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+from array import array
 import random
 import subprocess
 import time
@@ -86,6 +87,23 @@ def test_bad_pieces_names_exactly_the_flipped_pieces():
     (run, lo, hi), = zs.span(3, 4 * P, 2 * P)          # a middle range: no bad piece in it
     a = ZoneChecksums.piece_range(run, lo, hi)[0]
     assert ZoneChecksums.bad_pieces(run, lo, hi, memoryview(data)[a:], a) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 12 * P), st.integers(1, 3 * P + 5)),
+    st.tuples(st.just("clip"), st.integers(0, 15 * P), st.just(0))), max_size=12))
+def test_end_is_past_the_last_covered_byte_after_any_adds_and_clips(ops):
+    """``ZoneChecksums.end`` (kept as runs are added, in order or not, and clipped) is what a
+    walk over the runs gives: a mount asks it of every zone."""
+    zs = ZoneChecksums()
+    for kind, a, n in ops:
+        if kind == "add":
+            zs.add(5, a, n, array("I", [0] * -(-n // P)))
+        else:
+            zs.clip(5, a)
+        walk = max((r.zoff + r.length for r in zs.runs(5)), default=0)
+        assert zs.end(5) == walk
 
 
 @settings(max_examples=200, deadline=None)
