@@ -203,6 +203,23 @@ def read_journal(journal) -> tuple[dict[str, str | None], list[str]]:
     return acked, problems
 
 
+def wait_for_work(journal, proc, at_least_s: float, acked: int, most_s: float) -> float:
+    """Wait until the storm has ``acked`` files acknowledged (and ``at_least_s`` have passed),
+    so the crash always comes in the middle of real work however slow the machine: CI once got
+    29 files in a fixed 4 s where this machine gets 40-54.  Gives up after ``most_s`` (then
+    ``verify`` fails on too little work).  Returns the seconds waited."""
+    t0 = time.monotonic()
+    while True:
+        waited = time.monotonic() - t0
+        if waited >= most_s or proc.poll() is not None:
+            return waited
+        if waited >= at_least_s and journal.exists():
+            now, _ = read_journal(journal)
+            if sum(h is not None for h in now.values()) >= acked:
+                return waited
+        time.sleep(0.2)
+
+
 def verify(mnt_desc: str, acked: dict[str, str | None], at_least: int) -> int:
     checked = 0
     for path, h in acked.items():
@@ -223,9 +240,9 @@ def test_threads_changing_files_in_place_survive_kill9(make_image, mount_image, 
     m = mount_image(make_image(size="2G", zone_size=zone_size, max_open=limit,
                                max_active=limit))
     journal = tmp_path / "storm.journal"
-    proc = start_storm(m.path, kill_after + 6, journal)
+    proc = start_storm(m.path, kill_after + 120, journal)
     try:
-        time.sleep(kill_after)
+        kill_after = wait_for_work(journal, proc, kill_after, 45, kill_after + 90)
         m.kill()
         _, err = proc.communicate(timeout=60)
     finally:
@@ -266,15 +283,15 @@ def test_threads_changing_files_in_place_survive_a_power_cut(tmp_path):
     try:
         t.setup()
         t.mount()
-        proc = start_storm(t.mnt, 60, journal)
-        time.sleep(8)
+        proc = start_storm(t.mnt, 150, journal)
+        cut_after = wait_for_work(journal, proc, 8, 30, 120)
         t.crash(proc)            # STOP the daemon, cut, KILL it and the storm, cut, fusermount -uz
         acked, problems = read_journal(journal)
         assert problems == [], problems[:5]
         t.fsck("after the power cut")
         t.mount()
         checked = verify("the power cut", acked, 20)
-        print(f"storm: {THREADS} threads, power cut after 8 s: {checked} acknowledged files "
+        print(f"storm: {THREADS} threads, power cut after {cut_after:.0f} s: {checked} acknowledged files "
               f"verified, fsck clean")
     finally:
         t.teardown()
