@@ -23,6 +23,7 @@ This module frames and reads; ``records.py`` says what records mean.
 import errno
 import struct
 import time
+from typing import NamedTuple
 
 from crc32c import crc32c as _crc32c
 
@@ -54,19 +55,26 @@ cpdef bytes encode_record(int rtype, payload):
 
 def decode_records(body):
     """Records of one verified frame body: [(type, payload)]; ValueError if malformed."""
+    out, end = decode_prefix(body)
+    if end != len(body):
+        raise ValueError(f"record at byte {end} of {len(body)} runs past the frame body")
+    return out
+
+
+def decode_prefix(body):
+    """The records of ``body`` up to the first that does not decode, and where that is (the
+    body's length when all of them do)."""
     cdef const unsigned char[:] v = memoryview(body).cast("B")
     cdef Py_ssize_t pos = 0, total = v.shape[0], length
     out = []
     mv = memoryview(body)
-    while pos < total:
-        if pos + REC_HEADER > total:
-            raise ValueError("record header past the frame body")
+    while pos + REC_HEADER <= total:
         length = v[pos] | (v[pos + 1] << 8) | (v[pos + 2] << 16) | (<Py_ssize_t>v[pos + 3] << 24)
         if length < 1 or pos + 4 + length > total:
-            raise ValueError("record length past the frame body")
+            break
         out.append((v[pos + 4], bytes(mv[pos + 5:pos + 4 + length])))
         pos += 4 + length
-    return out
+    return out, pos
 
 
 def encode_frame(unsigned long long seq, unsigned int fsid, body, Py_ssize_t bs):
@@ -457,6 +465,8 @@ class Records:
         self.salvaged = []              # (frame number, what was done)
 
     def __iter__(self):
+        """A look that keeps the bodies (tests, ``len``, ``==``); it salvages as a mount does
+        but records nothing, so looking twice reports nothing twice: ``consume`` reports."""
         for body in self.bodies:
             for t, pl in _recs(body):
                 if t not in _SKIP:
@@ -495,20 +505,6 @@ def _recs(body, salvaged=None, seq=-1):
     return recs
 
 
-def _decode_prefix(body):
-    """The records of ``body`` up to the first that does not decode, and where that is."""
-    cdef const unsigned char[:] v = memoryview(body).cast("B")
-    cdef Py_ssize_t pos = 0, total = v.shape[0], length
-    out = []
-    while pos + REC_HEADER <= total:
-        length = v[pos] | (v[pos + 1] << 8) | (v[pos + 2] << 16) | (<Py_ssize_t>v[pos + 3] << 24)
-        if length < 1 or pos + 4 + length > total:
-            break
-        out.append((v[pos + 4], bytes(body[pos + 5:pos + 4 + length])))
-        pos += 4 + length
-    return out, pos
-
-
 def salvage_records(body):
     """The records of a frame body that passed its checksum but does not decode: (records,
     what was done).  The one known cause is the journal of stop 26 (format feature
@@ -521,11 +517,11 @@ def salvage_records(body):
     mark = encode_record(R.FLUSHED, R.pack_flushed(R.ALL_BEFORE))
     ln = len(mark)
     body = bytes(body)
-    first = _decode_prefix(body)
+    first = decode_prefix(body)
     cur = body
     removed = 0
     while removed < 64:
-        recs, end = _decode_prefix(cur)
+        recs, end = decode_prefix(cur)
         if end == len(cur):
             return recs, (f"records decoded whole after taking out {removed} misplaced "
                           f"FLUSHED record(s)")
@@ -533,7 +529,7 @@ def salvage_records(body):
         at = cur.find(mark)
         while at >= 0:
             trial = cur[:at] + cur[at + ln:]
-            e2 = _decode_prefix(trial)[1]
+            e2 = decode_prefix(trial)[1]
             g = len(cur) if e2 == len(trial) else e2 - (end - (ln if at < end else 0))
             if g > gain:
                 best, gain = trial, g
@@ -548,6 +544,14 @@ def salvage_records(body):
 
 
 # ---- the log writer ----------------------------------------------------------------------
+
+class Plan(NamedTuple):
+    """Records detached by ``Journal.prepare`` for ``commit`` to write."""
+    kind: str                 # "append", "next" (in a fresh pair) or "roll" (a snapshot)
+    bodies: list              # frame bodies
+    raw: bytes                # the records detached
+    proves: int | None = None  # newest frame its FLUSHED record proves (-1: all before it)
+
 
 class Journal:
     """Writer of the metadata log over the pairs of zones ``[0, meta_zones)``.
@@ -592,7 +596,6 @@ class Journal:
         self.marks = "flush_marks" in (sb.features or ())
         self.flushed = 0
         self.marked = 0
-        self._proves = None             # what the plan being written proves (``_mark``)
         self._all_marked = False        # pending holds a FLUSHED(ALL_BEFORE) (``note_flushed``)
         self.epoch = 0                  # times pending records were detached
         # FLUSHED(ALL_BEFORE) records put into pending this epoch: (position in appended
@@ -674,15 +677,13 @@ class Journal:
         self._inserted = []
 
     def note_flushed(self, point):
-        """The device flush that began at ``point`` (``flush_point``, or just the newest
-        frame written then) completed: it covered those frames and every data write named by
-        the records queued before it began.  The latter are proven by a FLUSHED(ALL_BEFORE)
-        record put right after them, if they are still pending (not yet in a frame being
-        written: those frames are proven by the next FLUSHED(upto) instead).  Namespace lock
-        held when ``point`` is a tuple."""
-        upto, epoch, pos = point if isinstance(point, tuple) else (point, -1, 0)
-        if upto > self.flushed:
-            self.flushed = upto
+        """The device flush that began at ``point`` (``flush_point``) completed: it covered
+        the frames written then and every data write named by the records queued before it
+        began.  The latter are proven by a FLUSHED(ALL_BEFORE) record put right after them,
+        if they are still pending (not yet in a frame being written: those frames are proven
+        by the next FLUSHED(upto) instead).  Namespace lock held."""
+        upto, epoch, pos = point
+        self._frames_flushed(upto)
         if self.marks and pos and epoch == self.epoch:
             rec = encode_record(R.FLUSHED, R.pack_flushed(R.ALL_BEFORE))
             at = pos + sum(n for q, n in self._inserted if q <= pos)   # a record boundary
@@ -690,39 +691,50 @@ class Journal:
             self._inserted.append((pos, len(rec)))
             self._all_marked = True
 
+    def _frames_flushed(self, upto):
+        """A device flush covered every frame up to ``upto`` (the log's own flushes)."""
+        if upto > self.flushed:
+            self.flushed = upto
+
     def needs_mark(self):
         """A flush covered frames no FLUSHED record names yet (``Store.sync`` then writes
         one on its own, so a quiet log still proves its last data writes)."""
         return self.marks and self.flushed > self.marked
 
     def _mark(self, force):
-        """Before pending records are detached: what they prove once written goes to
-        ``_proves`` (``commit`` moves ``marked``): an ALL_BEFORE record inside them proves
+        """Before pending records are detached: what they prove once written (the plan's
+        ``proves``; ``commit`` moves ``marked``): an ALL_BEFORE record inside them proves
         every frame before; and they end with FLUSHED(newest frame a flush covered) if no
         record named it yet.  That only when records are pending anyway, or ``force``: an
-        idle log never grows for a proof."""
-        self._proves = None
+        idle log never grows for a proof.  -1: a frame holding only the proof, which has
+        nothing to prove itself."""
+        proves = None
         if not self.marks:
-            return
+            return proves
         if self._all_marked:
-            self._proves = self.written()
+            proves = self.written()
             self._all_marked = False
-        if (self.pending or force) and self.flushed > max(self.marked, self._proves or 0):
+        if (self.pending or force) and self.flushed > max(self.marked, proves or 0):
             alone = not self.pending
             self.pending += encode_record(R.FLUSHED, R.pack_flushed(self.flushed))
-            # (a frame holding only the proof has nothing to prove itself)
-            self._proves = -1 if alone else self.flushed
+            proves = -1 if alone else self.flushed
+        return proves
 
     def prepare(self, mark=False):
         """Detach pending records (caller holds the namespace lock): a plan for ``commit``.
 
-        None, ("append", bodies, raw), ("next", bodies, raw) or ("roll", bodies, raw) where a
-        roll's bodies are a whole snapshot taken now (it already holds every pending record).
-        ``mark``: write the proof (R.FLUSHED) even with nothing else pending (``_mark``)."""
+        None, or a ``Plan`` of kind "append", "next" or "roll" where a roll's bodies are a
+        whole snapshot taken now (it already holds every pending record).  ``mark``: write the
+        proof (R.FLUSHED) even with nothing else pending (``_mark``).  What the plan proves
+        travels in it: no state waits on the journal between ``prepare`` and ``commit``."""
         if self.failed is not None:
             raise OSError(errno.EIO, f"metadata log unusable after an earlier write error: "
                                      f"{self.failed}")
-        self._mark(mark and self.needs_mark())
+        proves = self._mark(mark and self.needs_mark())
+        plan = self._detach()
+        return None if plan is None else plan._replace(proves=proves)
+
+    def _detach(self):
         if not self.pending:
             if self.tight and self._retry_due():     # deletions may have made room
                 return self._roll_if_room(b"")
@@ -742,11 +754,11 @@ class Journal:
                 plan = self._roll_if_room(raw, size)    # into the reserve: roll now, if it fits
                 if plan is not None:
                     return plan
-            return ("append", bodies, raw)
+            return Plan("append", bodies, raw)
         if (self.log_bytes + size >= self.snap_bytes or not self._next_pair_ok()
                 or frame_size(len(self._super_body()), self.bs) + size > self.cap):
             return self._roll_plan(raw)
-        return ("next", bodies, raw)
+        return Plan("next", bodies, raw)
 
     def _roll_plan(self, raw):
         bodies = self._image_bodies()
@@ -758,7 +770,7 @@ class Journal:
                                         f"{self._pairs_for(self._size(bodies))} free zone pairs, "
                                         f"{len(self._free_pairs())} are free (mkfs --meta-zones)")
         self.tight = False
-        return ("roll", bodies, raw)
+        return Plan("roll", bodies, raw)
 
     def _next_pair_ok(self):
         """The log can go on in a fresh pair (``prepare``'s "next") when the active one fills."""
@@ -776,7 +788,7 @@ class Journal:
         # the next snapshot is tried
         if len(self._free_pairs()) >= self._pairs_for(self._size(bodies) + self.reserve * 3 // 2):
             self.tight = False
-            return ("roll", bodies, raw)
+            return Plan("roll", bodies, raw)
         self._set_tight(adding)           # it would not fit, or leave no room past its end
         return None
 
@@ -876,20 +888,19 @@ class Journal:
                 raise
             # frames the plan's FLUSHED record proves (a roll: its snapshot maps only data
             # flushed before it, and holds no CSUM record)
-            proves = -1 if plan[0] == "roll" else self._proves
+            proves = -1 if plan.kind == "roll" else plan.proves
             if proves == -1:
                 self.marked = self.written()
             elif proves is not None and proves > self.marked:
                 self.marked = proves
-            self._proves = None
         self.flushes += 1
         if sync:
             upto = self.written()
             self.dev.flush()
-            self.note_flushed(upto)
+            self._frames_flushed(upto)
 
     def _commit(self, plan):
-        kind, bodies, raw = plan
+        kind, bodies, raw, _ = plan
         if kind == "roll":
             self._roll_with(bodies)
             return
@@ -912,7 +923,7 @@ class Journal:
         size = self._write_spanning(bodies, free)
         upto = self.written()
         self.dev.flush()                  # the new snapshot is durable before the old goes
-        self.note_flushed(upto)
+        self._frames_flushed(upto)
         for p in old:
             for z in self.zones(p):
                 if self.dev.zone(z).wp or self.dev.zone(z).cond != 1:

@@ -74,6 +74,30 @@ def test_frames_decode_exactly(batches, rnd):
     assert [[(t, bytes(p)) for t, p in recs] for _, recs in got] == want
 
 
+@given(st.lists(st.tuples(st.integers(1, 255), st.integers(0, 300)), max_size=8),
+       st.integers(0, 12), st.binary(max_size=12), st.randoms(use_true_random=False))
+@settings(max_examples=300, deadline=None)
+def test_a_body_decodes_whole_or_raises_where_its_prefix_ends(recs, cut, junk, rnd):
+    """``decode_records`` is ``decode_prefix`` that insists on the whole body: cut the last
+    record short or add bytes that are no record, and it raises; the prefix is exactly the
+    records before the damage (what salvage keeps)."""
+    good = [(t, rnd.randbytes(n)) for t, n in recs]
+    body = b"".join(J.encode_record(t, pl) for t, pl in good)
+    assert J.decode_records(body) == good
+    assert J.decode_prefix(body) == (good, len(body))
+    bad = body[:len(body) - cut] + junk if cut <= len(body) else junk
+    out, end = J.decode_prefix(bad)
+    assert bad[:end] == b"".join(J.encode_record(t, pl) for t, pl in out)
+    if end == len(bad):
+        assert J.decode_records(bad) == out
+    else:
+        with pytest.raises(ValueError, match="past the frame body"):
+            J.decode_records(bad)
+        assert len(bad) - end < J.REC_HEADER or \
+            int.from_bytes(bad[end:end + 4], "little") + 4 > len(bad) - end or \
+            bad[end:end + 4] == bytes(4)
+
+
 def test_every_padding_length():
     """Frames whose padding is exactly 0, 1, ..., BS-1 bytes (the 1..8 byte cases are what
     format v1 read as a corrupt record), each followed by another frame."""
