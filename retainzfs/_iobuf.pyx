@@ -119,6 +119,9 @@ cdef char *_FMT_B = "B"
 #: to 64 MiB for the 1 MiB write-request buffers) they fragmented it, and a daemon that ran
 #: 8 writers then 8 readers of 128 MiB eight times in a row grew from 210 to 600 MiB RSS.
 cdef size_t _MAP_MIN = 256 << 10
+#: bytes of aligned buffers alive (held by requests, write buffers, windows; not the pool)
+cdef size_t _live = 0
+cdef size_t _live_peak = 0
 
 
 cdef int _size_class(size_t n) noexcept nogil:
@@ -167,11 +170,17 @@ cdef class AlignedBuf:
         self.mem = <char *>p
         self.start = 0
         self.length = n
+        global _live, _live_peak
+        _live += self.cap
+        if _live > _live_peak:
+            _live_peak = _live
 
     def __dealloc__(self):
         cdef int i
+        global _live
         if self.mem == NULL:
             return
+        _live -= self.cap
         if self.cls <= _MAX_SHIFT:
             i = self.cls - _MIN_SHIFT
             # at most 32 MiB kept per size class above 2 MiB: the daemon's RSS stays bounded
@@ -458,6 +467,17 @@ def crc32c_pieces(parts, Py_ssize_t length, Py_ssize_t piece):
 
 
 _HW = rz_crc_hw == 1
+
+
+def live_bytes() -> int:
+    """Bytes of aligned buffers alive now (write buffers' arenas, replies, readahead windows,
+    staging): with ``pooled_bytes``, what the daemon's RSS owes to I/O buffers."""
+    return _live
+
+
+def live_peak_bytes() -> int:
+    """The most ``live_bytes`` has been since the daemon started."""
+    return _live_peak
 
 
 def pooled_bytes() -> int:

@@ -85,6 +85,13 @@ class StoreCollector:
             yield GaugeMetricFamily("retainzfs_io_buffer_pool_bytes",
                                     "Freed aligned I/O buffers kept for reuse",
                                     value=float(d["io_buffer_pool_bytes"]))
+            yield GaugeMetricFamily("retainzfs_io_buffer_live_bytes",
+                                    "Aligned I/O buffers in use (write buffers' arenas, "
+                                    "replies, readahead windows)",
+                                    value=float(d["io_buffer_live_bytes"]))
+            yield GaugeMetricFamily("retainzfs_io_buffer_peak_live_bytes",
+                                    "The most aligned I/O buffers in use at once",
+                                    value=float(d["io_buffer_peak_live_bytes"]))
         h = self.store.report.commit_hist
         yield HistogramMetricFamily("retainzfs_commit_seconds", "close/fsync commit latency",
                                     buckets=h.cumulative(), sum_value=h.sum)

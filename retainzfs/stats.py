@@ -36,7 +36,7 @@ class LatencyHistogram:
 def process_stats() -> dict:
     """This process's memory, CPU and threads (from /proc/self), and the aligned I/O buffers
     its pool keeps: what an operator watches a long-running daemon by."""
-    from ._iobuf import pooled_bytes
+    from ._iobuf import live_bytes, live_peak_bytes, pooled_bytes
     out = {"pid": os.getpid(), "rss_bytes": 0, "peak_rss_bytes": 0, "threads": 0}
     keys = {"VmRSS:": "rss_bytes", "VmHWM:": "peak_rss_bytes", "Threads:": "threads"}
     try:
@@ -51,6 +51,8 @@ def process_stats() -> dict:
     t = os.times()
     out["cpu_seconds"] = round(t.user + t.system, 3)
     out["io_buffer_pool_bytes"] = pooled_bytes()
+    out["io_buffer_live_bytes"] = live_bytes()
+    out["io_buffer_peak_live_bytes"] = live_peak_bytes()
     return out
 
 

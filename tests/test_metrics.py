@@ -19,7 +19,8 @@ NEEDED = {"retainzfs_zones", "retainzfs_live_bytes", "retainzfs_invalid_bytes",
           "retainzfs_commit_seconds", "retainzfs_enospc", "retainzfs_checksum_errors",
           "retainzfs_gc_aborted", "retainzfs_daemon_peak_resident_bytes",
           "retainzfs_capacity_stop", "retainzfs_metadata_full", "retainzfs_buffered_bytes",
-          "retainzfs_io_buffer_pool_bytes", "process_resident_memory_bytes",
+          "retainzfs_io_buffer_pool_bytes", "retainzfs_io_buffer_live_bytes",
+          "retainzfs_io_buffer_peak_live_bytes", "process_resident_memory_bytes",
           "process_cpu_seconds"}
 
 
@@ -104,6 +105,9 @@ def test_status_reports_the_daemon_memory_cpu_and_threads(image, mount_image):
         hwm = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:"))
     assert 10 * MiB < d["rss_bytes"] <= d["peak_rss_bytes"] <= hwm
     assert d["threads"] >= 2 and d["cpu_seconds"] > 0 and d["io_buffer_pool_bytes"] >= 0
+    # the 8 MiB written went through 1 MiB arenas; they are back in the pool or in use
+    assert 0 <= d["io_buffer_live_bytes"] <= d["io_buffer_peak_live_bytes"]
+    assert d["io_buffer_peak_live_bytes"] >= MiB
     table = run("retainzfs", "status", m).stdout
     assert f"pid {m.pid}, RSS" in table
     m.umount()

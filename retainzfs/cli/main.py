@@ -106,7 +106,9 @@ def print_status(st: dict, path: str) -> None:
     d = st.get("daemon")
     if d:
         t.add_row("daemon", f"pid {d['pid']}, RSS {_human(d['rss_bytes'])} (peak "
-                            f"{_human(d['peak_rss_bytes'])}, I/O buffer pool "
+                            f"{_human(d['peak_rss_bytes'])}, I/O buffers in use "
+                            f"{_human(d['io_buffer_live_bytes'])} (peak "
+                            f"{_human(d['io_buffer_peak_live_bytes'])}), pool "
                             f"{_human(d['io_buffer_pool_bytes'])}), CPU {d['cpu_seconds']:.1f} s, "
                             f"{d['threads']} threads")
     tun = st.get("tuning") or {}
