@@ -1,4 +1,4 @@
-"""Namespace operations with their POSIX rules (names, links, rename, xattrs), and the store's
+"""Namespace operations with their POSIX rules (names, links, rename), and the store's
 side of reclaim hints (``.retainz`` policies in force, hint resolution, re-derivation).
 
 Every method here either takes ``Store.lock`` itself (the public ones, called by the facade) or
@@ -436,73 +436,6 @@ class NamespaceOps:
             inode.lookups = max(0, inode.lookups - n)
             if inode.is_dir and inode.nlink == 0 and inode.lookups == 0 and inode.opens == 0:
                 self.free_inode_locked(inode)
-
-    # ------------------------------------------------------------------ xattrs
-    def setxattr(self, ino: int, name: bytes, value: bytes, create: bool = False,
-                 replace: bool = False) -> None:
-        """Set an xattr; ``create`` (XATTR_CREATE): EEXIST if it exists, ``replace``
-        (XATTR_REPLACE): ENODATA if not, decided under the lock with the change (two racing
-        XATTR_CREATEs: one wins)."""
-        self.room()
-        with self.s.lock:
-            inode = self.get_locked(ino)
-            if name in H.VIRTUAL_XATTRS:
-                raise FsError(errno.EPERM)
-            if create and name in inode.xattrs:
-                raise FsError(errno.EEXIST)
-            if replace and name not in inode.xattrs:
-                raise FsError(errno.ENODATA)
-            if name in H.HINT_XATTRS:
-                try:
-                    H.validate_xattr(name, value)
-                except H.HintError as e:
-                    log.warning("setxattr %s on inode %d refused: %s", name.decode(), ino, e)
-                    raise FsError(errno.EINVAL, str(e)) from None
-            if len(name) > 255 or len(value) > 65536:
-                raise FsError(errno.ERANGE)
-            inode.set_xattr(name, bytes(value))
-            inode.ctime = now_ns()
-            self.save_inode_locked(inode)
-
-    def getxattr(self, ino: int, name: bytes) -> bytes:
-        s = self.s
-        with s.lock:
-            inode = self.get_locked(ino)
-            if name == H.XATTR_ZONES:
-                zones = sorted({e.zone for e in inode.extents})
-                return ",".join(map(str, zones)).encode()
-            if name == H.XATTR_HINT:
-                return s.hints.hint_doc_locked(inode)
-            if name == H.XATTR_STATUS and ino == ROOT_INO:
-                # getxattr(2) callers ask for the size, then for the value: a live document
-                # that grew in between (a counter gained a digit) failed with ERANGE.  Padded
-                # with JSON whitespace to a 1 KiB multiple, its size rarely changes.
-                v = json.dumps(s.report.status()).encode()
-                return v + b" " * (-len(v) % 1024)
-            if name.startswith(H.XATTR_ZONEMAP) and ino == ROOT_INO:
-                try:
-                    first = int(name[len(H.XATTR_ZONEMAP):])
-                except ValueError:
-                    raise FsError(errno.ENODATA) from None
-                return json.dumps(s.report.zone_map(first, H.ZONEMAP_ROWS),
-                                  separators=(",", ":")).encode()
-            try:
-                return inode.xattrs[name]
-            except KeyError:
-                raise FsError(errno.ENODATA) from None
-
-    def listxattr(self, ino: int) -> list[bytes]:
-        with self.s.lock:
-            return list(self.get_locked(ino).xattrs)
-
-    def removexattr(self, ino: int, name: bytes) -> None:
-        with self.s.lock:
-            inode = self.get_locked(ino)
-            if name not in inode.xattrs:
-                raise FsError(errno.ENODATA)
-            inode.del_xattr(name)
-            inode.ctime = now_ns()
-            self.save_inode_locked(inode)
 
 
 class _InodeTree(H.HintResolver):

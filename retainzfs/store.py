@@ -7,7 +7,8 @@ neither knows about zones.
 The work is done by parts, each owning one resource (DESIGN §10), built here and sharing the
 store's state through it:
 
-* ``ns``      nsops.NamespaceOps   namespace operations and their POSIX rules, xattrs
+* ``ns``      nsops.NamespaceOps   namespace operations and their POSIX rules
+* ``xattrs``  xattrops.XattrOps    user, hint and virtual (computed) extended attributes
 * ``hints``   nsops.StoreHints     ``.retainz`` policies in force, hint resolution (hints.py)
 * ``files``   openfiles.OpenFiles  write buffers, the background flush, parked errors
 * ``data``    datapath.DataPath    placement, THE write loop (data and GC copies)
@@ -55,6 +56,7 @@ from .fsck import Fsck
 from . import namespace as NS
 from .namespace import Inode
 from .nsops import NAME_MAX, ROOT_INO, NamespaceOps, StoreHints
+from .xattrops import XattrOps
 from .openfiles import OpenFiles
 from .reclaim import Reclaim
 from .stats import LatencyHistogram, StoreStats
@@ -189,6 +191,7 @@ class Store:
         self._want_journal_flush = False
         self.applier = RecordApplier(self)
         self.ns = NamespaceOps(self)
+        self.xattrs = XattrOps(self)
         self.hints = StoreHints(self)
         self.files = OpenFiles(self)
         self.data = DataPath(self)
@@ -292,10 +295,11 @@ class Store:
     setattr = _Via("ns")
     ref = _Via("ns")
     forget = _Via("ns")
-    setxattr = _Via("ns")
-    getxattr = _Via("ns")
-    listxattr = _Via("ns")
-    removexattr = _Via("ns")
+    # extended attributes, xattrops.XattrOps
+    setxattr = _Via("xattrs")
+    getxattr = _Via("xattrs")
+    listxattr = _Via("xattrs")
+    removexattr = _Via("xattrs")
     resolve_path = _Via("ns")
     path_of = _Via("ns")
     # open files and write buffers, openfiles.OpenFiles
