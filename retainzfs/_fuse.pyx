@@ -501,9 +501,31 @@ cdef void h_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, 
                    fuse_file_info *fi) noexcept with gil:
     cdef char *dst
     cdef Py_buffer pb
+    cdef size_t r
     try:
         data = _arenas.reserve(ino, off, size)      # nobody else sees it until the call
-        if data is not None:
+        if type(data) is tuple:         # the rest of the file's arena, then a new one
+            head, tail = data
+            r = len(head)
+            PyObject_GetBuffer(head, &pb, PyBUF_WRITABLE)
+            dst = <char *>pb.buf
+            with nogil:
+                memcpy(dst, buf, r)
+            PyBuffer_Release(&pb)
+            PyObject_GetBuffer(tail, &pb, PyBUF_WRITABLE)
+            dst = <char *>pb.buf
+            with nogil:
+                memcpy(dst, buf + r, size - r)
+            PyBuffer_Release(&pb)
+            n = _ops.write(fi.fh, off, head)
+            try:
+                n += _ops.write(fi.fh, off + r, tail)
+            except BaseException:
+                if not n:
+                    raise
+                # the first bytes were taken: a short write (the caller retries the rest
+                # and gets the error then), as a file system that fills up midway answers
+        elif data is not None:
             PyObject_GetBuffer(data, &pb, PyBUF_WRITABLE)
             dst = <char *>pb.buf
             with nogil:
@@ -516,7 +538,8 @@ cdef void h_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, 
                 memcpy(dst, buf, size)
         else:
             data = PyBytes_FromStringAndSize(buf, size)
-        n = _ops.write(fi.fh, off, data)
+        if type(data) is not tuple:
+            n = _ops.write(fi.fh, off, data)
     except BaseException as exc:
         fuse_reply_err(req, _err(exc, b"write"))
     else:

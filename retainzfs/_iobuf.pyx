@@ -502,7 +502,9 @@ cdef class WriteArenas:
 
     ``reserve(key, off, n)`` gives a writable view of ``n`` bytes to copy a write at file
     offset ``off`` into: the rest of the file's open arena if the write continues it and
-    fits, else a new arena when ``n >= min_new`` (else None: a small write, copied elsewhere).
+    fits; if it continues it and does not fit, two views (a tuple): the rest of that arena
+    and the start of a new one, for the write's first and last bytes; else a new arena when
+    ``n >= min_new`` (else None: a small write, copied elsewhere).
     Memory: a view keeps its arena alive; a new arena is made only for a write of at least
     half an arena (so at most twice the bytes held), at most ``max_open`` files have one open
     (the oldest is let go), and ``drop`` lets go of a file's (its close).  Needs the GIL;
@@ -519,17 +521,32 @@ cdef class WriteArenas:
 
     def reserve(self, key, long long off, Py_ssize_t n):
         cdef list a = self._open.get(key)
-        cdef Py_ssize_t fill
+        cdef Py_ssize_t fill, r
         if a is not None:
             fill = a[2]
-            if off == a[1] + fill and fill + n <= self.size:
-                a[2] = fill + n
-                if fill + n == self.size:
-                    del self._open[key]
-                return memoryview(a[0])[fill:fill + n]
+            if off == a[1] + fill:
+                if fill + n <= self.size:
+                    a[2] = fill + n
+                    if fill + n == self.size:
+                        del self._open[key]
+                    return memoryview(a[0])[fill:fill + n]
+                # it runs past the arena: the rest of this one, then a new one from its
+                # start, so every arena of a file written in order is filled whole and each
+                # part stays page-aligned (a large write from unaligned memory arrives as
+                # 1 MiB - 48 bytes, then 1 MiB requests: one arena each, they would all
+                # start 48 bytes short and no flush could skip its staging copy)
+                r = self.size - fill
+                del self._open[key]
+                return (memoryview(a[0])[fill:self.size],
+                        self._new(key, off + r, n - r))
             del self._open[key]
         if n < self.min_new or n <= 0:
             return None
+        return self._new(key, off, n)
+
+    def _new(self, key, long long off, Py_ssize_t n):
+        """A view of ``n`` bytes at the start of a new arena, kept open for the file's next
+        write unless ``n`` fills it."""
         if n >= self.size:
             return memoryview(AlignedBuf(n))
         buf = AlignedBuf(self.size)
@@ -543,6 +560,23 @@ cdef class WriteArenas:
 
     def __len__(self):
         return len(self._open)
+
+
+def starts_its_object(v) -> bool:
+    """True when ``v`` is a byte view whose memory begins where its object's does (the first
+    bytes of a write arena, ``WriteArenas.reserve``'s second view)."""
+    if type(v) is not memoryview or v.obj is None:
+        return False
+    cdef Py_buffer pv, po
+    PyObject_GetBuffer(v, &pv, PyBUF_SIMPLE)
+    try:
+        PyObject_GetBuffer(v.obj, &po, PyBUF_SIMPLE)
+        try:
+            return pv.buf == po.buf
+        finally:
+            PyBuffer_Release(&po)
+    finally:
+        PyBuffer_Release(&pv)
 
 
 def join_views(a, b):

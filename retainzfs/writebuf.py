@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from ._iobuf import join_views
+from ._iobuf import join_views, starts_its_object
 
 SMALL = 64 << 10        # writes below this are copied into the tail instead of kept as parts
 
@@ -100,7 +100,10 @@ class WriteBuffer:
                 self.chunks[-1] = joined
                 self.length += n
                 return True
-        if n < SMALL:
+        if n < SMALL and not starts_its_object(data):
+            # (the first bytes of a write arena stay a part of their own: the file's next
+            # write continues that arena and joins them, and the part stays page-aligned.
+            # Any other small piece is copied: a view would keep its whole arena alive)
             self._tail += data
             if len(self._tail) >= SMALL:
                 self._seal()
