@@ -497,26 +497,30 @@ cdef void h_read(fuse_req_t req, fuse_ino_t ino, size_t size, long off,
         _reply_bytes(req, data)
 
 
+cdef int _copy_into(object dst_obj, const char *src, size_t n) except -1:
+    """Copy ``n`` bytes from the kernel's request buffer into a writable buffer nobody else
+    sees until the store call, without the GIL (a 1 MiB copy lets other handlers run)."""
+    cdef Py_buffer pb
+    cdef char *dst
+    PyObject_GetBuffer(dst_obj, &pb, PyBUF_WRITABLE)
+    dst = <char *>pb.buf
+    with nogil:
+        memcpy(dst, src, n)
+    PyBuffer_Release(&pb)
+    return 0
+
+
 cdef void h_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, long off,
                    fuse_file_info *fi) noexcept with gil:
     cdef char *dst
-    cdef Py_buffer pb
     cdef size_t r
     try:
-        data = _arenas.reserve(ino, off, size)      # nobody else sees it until the call
+        data = _arenas.reserve(ino, off, size)
         if type(data) is tuple:         # the rest of the file's arena, then a new one
             head, tail = data
             r = len(head)
-            PyObject_GetBuffer(head, &pb, PyBUF_WRITABLE)
-            dst = <char *>pb.buf
-            with nogil:
-                memcpy(dst, buf, r)
-            PyBuffer_Release(&pb)
-            PyObject_GetBuffer(tail, &pb, PyBUF_WRITABLE)
-            dst = <char *>pb.buf
-            with nogil:
-                memcpy(dst, buf + r, size - r)
-            PyBuffer_Release(&pb)
+            _copy_into(head, buf, r)
+            _copy_into(tail, buf + r, size - r)
             n = _ops.write(fi.fh, off, head)
             try:
                 n += _ops.write(fi.fh, off + r, tail)
@@ -525,20 +529,16 @@ cdef void h_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, 
                     raise
                 # the first bytes were taken: a short write (the caller retries the rest
                 # and gets the error then), as a file system that fills up midway answers
-        elif data is not None:
-            PyObject_GetBuffer(data, &pb, PyBUF_WRITABLE)
-            dst = <char *>pb.buf
-            with nogil:
-                memcpy(dst, buf, size)
-            PyBuffer_Release(&pb)
-        elif size >= NOGIL_COPY:        # a fresh object: nobody sees it until the call
-            data = PyBytes_FromStringAndSize(NULL, size)
-            dst = PyBytes_AS_STRING(data)
-            with nogil:
-                memcpy(dst, buf, size)
         else:
-            data = PyBytes_FromStringAndSize(buf, size)
-        if type(data) is not tuple:
+            if data is not None:        # a view into the file's write arena
+                _copy_into(data, buf, size)
+            elif size >= NOGIL_COPY:    # a fresh object: nobody sees it until the call
+                data = PyBytes_FromStringAndSize(NULL, size)
+                dst = PyBytes_AS_STRING(data)
+                with nogil:
+                    memcpy(dst, buf, size)
+            else:
+                data = PyBytes_FromStringAndSize(buf, size)
             n = _ops.write(fi.fh, off, data)
     except BaseException as exc:
         fuse_reply_err(req, _err(exc, b"write"))

@@ -553,6 +553,56 @@ class Plan(NamedTuple):
     proves: int | None = None  # newest frame its FLUSHED record proves (-1: all before it)
 
 
+def split_bodies(body, Py_ssize_t body_max):
+    """Frame bodies of at most ``body_max`` bytes, cut at record boundaries (a record
+    longer than that gets a frame of its own)."""
+    out = []
+    mv = memoryview(body)
+    start = pos = 0
+    total = len(body)
+    while pos < total:
+        length = int.from_bytes(mv[pos:pos + 4], "little")
+        nxt = pos + 4 + length
+        if nxt - start > body_max and pos > start:
+            out.append(bytes(mv[start:pos]))
+            start = pos
+        pos = nxt
+    if total > start:
+        out.append(bytes(mv[start:total]))
+    return out
+
+
+def snapshot_bodies(snap, Py_ssize_t chunk, Py_ssize_t body_max):
+    """Frame bodies of a whole snapshot: SNAP_BEGIN, chunks, SNAP_END, small records
+    packed together (SNAP_BEGIN with the first chunk, SNAP_END with the last).
+    ``snap`` is the blob or its compressed pieces; pieces are cut into chunks as they are
+    consumed, so a roll holds one copy of the snapshot, not three."""
+    parts = snap if isinstance(snap, list) else [snap]
+    total = sum(len(p) for p in parts)
+    parts.reverse()
+    bodies = []
+    cur = bytearray(encode_record(R.SNAP_BEGIN, R.pack_json({"length": total})))
+
+    def add(rec):
+        nonlocal cur
+        if len(cur) + len(rec) > body_max and cur:
+            bodies.append(bytes(cur))
+            cur = bytearray()
+        cur += rec
+
+    pend = bytearray()
+    while parts:
+        pend += parts.pop()
+        while len(pend) >= chunk:
+            add(encode_record(R.SNAP_CHUNK, pend[:chunk]))
+            del pend[:chunk]
+    if pend:
+        add(encode_record(R.SNAP_CHUNK, pend))
+    add(encode_record(R.SNAP_END, R.pack_json({"length": total})))
+    bodies.append(bytes(cur))
+    return bodies
+
+
 class Journal:
     """Writer of the metadata log over the pairs of zones ``[0, meta_zones)``.
 
@@ -626,23 +676,6 @@ class Journal:
 
     def has_pending(self):
         return len(self.pending) > 0
-
-    def _split(self, body):
-        """Frame bodies of at most ``body_max`` bytes, cut at record boundaries."""
-        out = []
-        mv = memoryview(body)
-        start = pos = 0
-        total = len(body)
-        while pos < total:
-            length = int.from_bytes(mv[pos:pos + 4], "little")
-            nxt = pos + 4 + length
-            if nxt - start > self.body_max and pos > start:
-                out.append(bytes(mv[start:pos]))
-                start = pos
-            pos = nxt
-        if total > start:
-            out.append(bytes(mv[start:total]))
-        return out
 
     def _size(self, bodies):
         return sum(frame_size(len(b), self.bs) for b in bodies)
@@ -742,7 +775,7 @@ class Journal:
         raw = bytes(self.pending)
         self.pending = bytearray()
         self._new_epoch()
-        bodies = self._split(raw)
+        bodies = split_bodies(raw, self.body_max)
         size = self._size(bodies)
         if (self.log_bytes >= max(self.snap_bytes, self.roll_floor)
                 and len(self._free_pairs()) >= self._pairs_for(self.snap_bytes * 5 // 4 + self.chunk)):
@@ -761,7 +794,7 @@ class Journal:
         return Plan("next", bodies, raw)
 
     def _roll_plan(self, raw):
-        bodies = self._image_bodies()
+        bodies = snapshot_bodies(self.snapshot_fn(), self.chunk, self.body_max)
         if len(self._free_pairs()) < self._pairs_for(self._size(bodies)):
             self.pending = bytearray(raw) + self.pending
             self._new_epoch()
@@ -783,7 +816,7 @@ class Journal:
         tried again only when ``_retry_due``."""
         if self.tight and not self._retry_due(adding):
             return None
-        bodies = self._image_bodies()
+        bodies = snapshot_bodies(self.snapshot_fn(), self.chunk, self.body_max)
         # room past the reserve (half as much again), so growth goes on for a while before
         # the next snapshot is tried
         if len(self._free_pairs()) >= self._pairs_for(self._size(bodies) + self.reserve * 3 // 2):
@@ -815,38 +848,6 @@ class Journal:
         n = len(self.pending)
         pending = n + self.bs * (1 + n // self.body_max)      # frame headers and padding
         return self.wp + pending + self.reserve <= self.cap or self._next_pair_ok()
-
-    def _image_bodies(self):
-        """Frame bodies of a whole snapshot: SNAP_BEGIN, chunks, SNAP_END, small records
-        packed together (SNAP_BEGIN with the first chunk, SNAP_END with the last).
-        ``snapshot_fn`` may return the blob or its compressed pieces; pieces are cut into
-        chunks as they are consumed, so a roll holds one copy of the snapshot, not three."""
-        snap = self.snapshot_fn()
-        parts = snap if isinstance(snap, list) else [snap]
-        total = sum(len(p) for p in parts)
-        parts.reverse()
-        bodies = []
-        cur = bytearray(encode_record(R.SNAP_BEGIN, R.pack_json({"length": total})))
-        body_max = self.body_max
-
-        def add(rec):
-            nonlocal cur
-            if len(cur) + len(rec) > body_max and cur:
-                bodies.append(bytes(cur))
-                cur = bytearray()
-            cur += rec
-
-        pend = bytearray()
-        while parts:
-            pend += parts.pop()
-            while len(pend) >= self.chunk:
-                add(encode_record(R.SNAP_CHUNK, pend[:self.chunk]))
-                del pend[:self.chunk]
-        if pend:
-            add(encode_record(R.SNAP_CHUNK, pend))
-        add(encode_record(R.SNAP_END, R.pack_json({"length": total})))
-        bodies.append(bytes(cur))
-        return bodies
 
     def _write_frame(self, body):
         frame = encode_frame(self.seq, self.fsid, body, self.bs)
@@ -962,6 +963,7 @@ class Journal:
             self.dev.reset(z)
         self.seq = 1
         self.live = []
-        size = self._write_spanning(self._image_bodies(), list(range(self.pairs)))
+        bodies = snapshot_bodies(self.snapshot_fn(), self.chunk, self.body_max)
+        size = self._write_spanning(bodies, list(range(self.pairs)))
         self.snap_bytes = size
         self.dev.flush()

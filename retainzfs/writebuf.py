@@ -135,7 +135,7 @@ class WriteBuffer:
         self.chunks = c.slice(n, c.length)
         self.off += n
         self.length -= n
-        if self.length < SMALL:
+        if self.length < SMALL and not (len(self.chunks) == 1 and type(self.chunks[0]) is bytes):
             # What a flush in whole blocks leaves is at most a few KiB, but as a view it keeps
             # the whole 1 MiB arena of its write request alive (``_iobuf.WriteArenas``) until
             # the file's next flush: 300 files written in turn past ``dirty_bytes`` (128 MiB)

@@ -74,6 +74,38 @@ def test_frames_decode_exactly(batches, rnd):
     assert [[(t, bytes(p)) for t, p in recs] for _, recs in got] == want
 
 
+@given(st.lists(st.integers(0, 300), max_size=12), st.integers(1, 400),
+       st.randoms(use_true_random=False))
+@settings(max_examples=300, deadline=None)
+def test_a_flush_is_cut_into_bodies_at_record_boundaries(lengths, body_max, rnd):
+    """``split_bodies``: the bodies put back together are the flush; each decodes whole;
+    each is at most ``body_max`` unless it is one record that alone is longer."""
+    recs = [(R.INODE, rnd.randbytes(n)) for n in lengths]
+    raw = b"".join(J.encode_record(t, pl) for t, pl in recs)
+    bodies = J.split_bodies(raw, body_max)
+    assert b"".join(bodies) == raw
+    assert [r for b in bodies for r in J.decode_records(b)] == recs
+    for b in bodies:
+        assert len(b) <= body_max or len(J.decode_records(b)) == 1
+
+
+@given(st.lists(st.integers(0, 3000), max_size=5), st.integers(1, 1024), st.integers(64, 2048),
+       st.randoms(use_true_random=False))
+@settings(max_examples=200, deadline=None)
+def test_a_snapshot_is_framed_as_begin_chunks_end(pieces, chunk, body_max, rnd):
+    """``snapshot_bodies``: SNAP_BEGIN, chunks of exactly ``chunk`` bytes (the last shorter),
+    SNAP_END, whether the snapshot comes whole or in pieces; the chunks are the snapshot."""
+    parts = [rnd.randbytes(n) for n in pieces]
+    blob = b"".join(parts)
+    for snap in (list(parts), blob):
+        recs = [r for b in J.snapshot_bodies(snap, chunk, body_max) for r in J.decode_records(b)]
+        assert recs[0][0] == R.SNAP_BEGIN and recs[-1][0] == R.SNAP_END
+        chunks = [pl for t, pl in recs[1:-1]]
+        assert all(t == R.SNAP_CHUNK for t, _ in recs[1:-1])
+        assert b"".join(chunks) == blob
+        assert all(len(c) == chunk for c in chunks[:-1]) and all(0 < len(c) <= chunk for c in chunks)
+
+
 @given(st.lists(st.tuples(st.integers(1, 255), st.integers(0, 300)), max_size=8),
        st.integers(0, 12), st.binary(max_size=12), st.randoms(use_true_random=False))
 @settings(max_examples=300, deadline=None)
