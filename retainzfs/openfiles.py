@@ -40,7 +40,8 @@ class OpenFiles:
         # 2.7 in flight on average with 8 writers (1.4 with two workers).
         self.flusher = ThreadPoolExecutor(max_workers=FLUSH_WORKERS, thread_name_prefix="rz-flush")
         self._busy = 0                        # background flushes queued or running (Store.lock)
-        # Store.lock: bytes in write buffers (added on append, taken off when a flush drops
+        # Store.lock: memory in write buffers, their bytes and the arena room their parts
+        # keep alive (``WriteBuffer.slack``; added on append, taken off when a flush drops
         # them; a buffer cleared otherwise is taken off at the next ``writeback`` recount, so
         # this may be high for a moment, never low for long), and the files with buffered
         # bytes, oldest first, with the monotonic time their buffer was last empty.
@@ -116,8 +117,9 @@ class OpenFiles:
                     or self.buffered + n > s.opts.dirty_bytes
                     or self._write_through_locked(buf)):
                 return None
-            self._note_locked(ino, not buf, n)
+            was_empty, slack = not buf, buf.slack
             buf.append(off, data)
+            self._note_locked(ino, was_empty, n + buf.slack - slack)
             inode.mtime = inode.ctime = now_ns()
             if off + n > inode.size:
                 inode.size = off + n
@@ -125,7 +127,8 @@ class OpenFiles:
             return n
 
     def _note_locked(self, ino: int, was_empty: bool, n: int) -> None:
-        """Count ``n`` bytes appended to the file's buffer (Store.lock held)."""
+        """Count ``n`` more bytes held by the file's buffer: those appended and the change
+        in the arena room its parts keep alive (``WriteBuffer.slack``).  Store.lock held."""
         if was_empty:
             self.dirty_since.pop(ino, None)           # re-inserted last: oldest stay first
             self.dirty_since[ino] = time.monotonic()
@@ -161,10 +164,10 @@ class OpenFiles:
                 inode = s.ns.get_locked(ino)
                 buf = inode.wbuf
                 through = self._write_through_locked(buf)
-                was_empty = not buf
+                was_empty, slack = not buf, buf.slack
                 need_flush = not buf.append(off, data)
                 if not need_flush:
-                    self._note_locked(ino, was_empty, n)
+                    self._note_locked(ino, was_empty, n + buf.slack - slack)
                     over = (self.buffered > s.opts.dirty_bytes and not s.opts.inline_flush)
                     t = now_ns()
                     inode.mtime = inode.ctime = t
@@ -250,6 +253,7 @@ class OpenFiles:
                 if not n:                   # (a flush future kept after it was done: clean)
                     del self.dirty_since[ino]
                     continue
+                n += inode.wbuf.slack
                 total += n
                 if now - since >= s.opts.dirty_expire:
                     due.append(ino)
@@ -345,8 +349,9 @@ class OpenFiles:
                 if inode is not None and inode.wbuf is wb:
                     inode.inflight = max(0, inode.inflight - n)
                     if wb.off == off:
+                        slack = wb.slack
                         wb.drop(n)
-                        self.buffered = max(0, self.buffered - n)
+                        self.buffered = max(0, self.buffered - n - slack + wb.slack)
             if s._want_journal_flush:
                 with s.io_lock:
                     s.maybe_flush_journal_iolocked()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from ._iobuf import join_views, starts_its_object
+from ._iobuf import arena_slack, join_views, starts_its_object
 
 SMALL = 64 << 10        # writes below this are copied into the tail instead of kept as parts
 
@@ -54,13 +54,17 @@ class Chunks:
 
 class WriteBuffer:
     """Bytes of one file range [off, off + len) not yet placed in a zone."""
-    __slots__ = ("off", "chunks", "length", "_tail")
+    __slots__ = ("off", "chunks", "length", "_tail", "slack")
 
     def __init__(self) -> None:
         self.off = 0
         self.chunks: list = []          # immutable parts (bytes / memoryviews)
         self.length = 0
         self._tail = bytearray()        # small writes being coalesced (after ``chunks``)
+        # bytes of write arenas the parts keep alive beyond their own (``arena_slack``): what
+        # the buffer costs in memory is ``length + slack``, and that is what ``dirty_bytes``
+        # bounds (OpenFiles)
+        self.slack = 0
 
     def __len__(self) -> int:
         return self.length
@@ -83,6 +87,8 @@ class WriteBuffer:
             last = self.chunks[-1] if self.chunks else None
             if last is not None and len(last) < SMALL:
                 self.chunks[-1] = bytes(last) + self._tail
+                if type(last) is memoryview:        # an arena's first bytes, let go
+                    self.slack = arena_slack(self.chunks)
             else:
                 self.chunks.append(bytes(self._tail))
             self._tail = bytearray()
@@ -99,6 +105,7 @@ class WriteBuffer:
             if joined is not None:
                 self.chunks[-1] = joined
                 self.length += n
+                self.slack = max(0, self.slack - n)     # the same arena, more of it shown
                 return True
         if n < SMALL and not starts_its_object(data):
             # (the first bytes of a write arena stay a part of their own: the file's next
@@ -110,6 +117,8 @@ class WriteBuffer:
         else:
             self._seal()
             self.chunks.append(data)
+            if type(data) is memoryview:
+                self.slack = arena_slack(self.chunks)
         self.length += n
         return True
 
@@ -135,12 +144,14 @@ class WriteBuffer:
         self.chunks = c.slice(n, c.length)
         self.off += n
         self.length -= n
-        if self.length < SMALL and not (len(self.chunks) == 1 and type(self.chunks[0]) is bytes):
+        self.slack = arena_slack(self.chunks)
+        if self.length < SMALL and self.slack:
             # What a flush in whole blocks leaves is at most a few KiB, but as a view it keeps
             # the whole 1 MiB arena of its write request alive (``_iobuf.WriteArenas``) until
             # the file's next flush: 300 files written in turn past ``dirty_bytes`` (128 MiB)
             # held 371 MiB of arenas for 4 KiB each.  Copied, the arena goes back at once.
             self.chunks = [b"".join(self.chunks)]
+            self.slack = 0
 
     def slice(self, lo: int, hi: int) -> bytes:
         """Bytes of file range [lo, hi) (caller clips to the buffered range)."""
@@ -151,3 +162,4 @@ class WriteBuffer:
         self.chunks = []
         self._tail = bytearray()
         self.length = 0
+        self.slack = 0
