@@ -504,7 +504,8 @@ cdef class WriteArenas:
     offset ``off`` into: the rest of the file's open arena if the write continues it and
     fits; if it continues it and does not fit, two views (a tuple): the rest of that arena
     and the start of a new one, for the write's first and last bytes; else a new arena when
-    ``n >= min_new`` (else None: a small write, copied elsewhere).
+    ``n >= min_new`` (else None: a small write, copied elsewhere), the write placed where its
+    offset falls within a page (two views again if that leaves less room than ``n``).
     Memory: a view keeps its arena alive; a new arena is made only for a write of at least
     half an arena (so at most twice the bytes held), at most ``max_open`` files have one open
     (the oldest is let go), and ``drop`` lets go of a file's (its close).  Needs the GIL;
@@ -514,8 +515,8 @@ cdef class WriteArenas:
 
     def __init__(self, Py_ssize_t size=1 << 20, Py_ssize_t min_new=512 << 10,
                  Py_ssize_t max_open=64):
-        if size <= 0 or min_new <= 0 or max_open <= 0:
-            raise ValueError("WriteArenas: sizes must be positive")
+        if size <= 0 or min_new <= 0 or max_open <= 0 or size % PAGE:
+            raise ValueError("WriteArenas: sizes must be positive, arenas whole pages")
         self._open = {}
         self.size, self.min_new, self.max_open = size, min_new, max_open
 
@@ -545,15 +546,27 @@ cdef class WriteArenas:
         return self._new(key, off, n)
 
     def _new(self, key, long long off, Py_ssize_t n):
-        """A view of ``n`` bytes at the start of a new arena, kept open for the file's next
-        write unless ``n`` fills it."""
-        if n >= self.size:
+        """A view of ``n`` bytes in a new arena, starting where ``off`` falls within a page,
+        so every byte sits at an address congruent to its file offset modulo the page: a
+        flush from a block boundary then takes whole blocks from the arenas as they are
+        (``DataPath.stage``), even when the file's first bytes were a small write (the zip
+        header before a tensor in ``torch.save`` and DCP).  Kept open for the file's next
+        write unless ``n`` fills it; a write that would run past the arena fills its rest and
+        starts the next arena (two views)."""
+        cdef Py_ssize_t o = off % PAGE, r
+        if o == 0 and n >= self.size:
             return memoryview(AlignedBuf(n))
         buf = AlignedBuf(self.size)
+        if o + n >= self.size:
+            r = self.size - o
+            head = memoryview(buf)[o:self.size]
+            if r == n:
+                return head
+            return (head, self._new(key, off + r, n - r))
         while len(self._open) >= self.max_open:
             del self._open[next(iter(self._open))]
-        self._open[key] = [buf, off, n]
-        return memoryview(buf)[0:n]
+        self._open[key] = [buf, off - o, o + n]
+        return memoryview(buf)[o:o + n]
 
     def drop(self, key) -> None:
         self._open.pop(key, None)
@@ -577,6 +590,17 @@ def starts_its_object(v) -> bool:
             PyBuffer_Release(&po)
     finally:
         PyBuffer_Release(&pv)
+
+
+def buffer_addresses(parts) -> list:
+    """The address of each buffer of ``parts`` (where its first byte is in memory)."""
+    cdef Py_buffer pb
+    out = []
+    for p in parts:
+        PyObject_GetBuffer(p, &pb, PyBUF_SIMPLE)
+        out.append(<size_t>pb.buf)
+        PyBuffer_Release(&pb)
+    return out
 
 
 def arena_slack(parts) -> int:

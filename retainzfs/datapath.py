@@ -21,9 +21,9 @@ from time import perf_counter
 from . import hints as H
 from . import records as R
 from ._alloc import NoSpace
-from ._iobuf import aligned_parts, gather_crc
+from ._iobuf import PAGE, aligned_parts, assemble, buffer_addresses, gather_crc
 from .csums import CSUM_PIECE, crcs_of
-from .device import ZoneCond
+from .device import IOV_MAX, ZoneCond
 from .errors import FsError
 from .writebuf import Chunks
 
@@ -41,10 +41,52 @@ class Staged:
     ``_fuse``: O_DIRECT takes them as they are, no copy), or one page-aligned, block-padded
     copy of them.  ``write`` uses it when the bytes go to the device as one run (the usual
     case); a run split where a zone ends falls back to the scatter list."""
-    __slots__ = ("buf", "crcs", "n")
+    __slots__ = ("buf", "crcs", "n", "direct")
 
-    def __init__(self, buf, crcs, n: int) -> None:
+    def __init__(self, buf, crcs, n: int, direct: int = 0) -> None:
         self.buf, self.crcs, self.n = buf, crcs, n
+        self.direct = direct            # bytes of ``buf`` that are the requests' own memory
+
+
+def direct_iov(parts: list, n: int, bs: int) -> tuple[list, int] | None:
+    """The scatter list of a flush of ``n`` bytes (``parts``) padded to whole blocks, taking
+    every block that lies inside one part at a page-aligned address straight from that part
+    and copying only the others (where two parts meet off a block boundary, and the last
+    partial block) into small page-aligned buffers.  Returns (buffers, bytes taken as they
+    are), or None when less than half the flush could be taken as it is, or the list would
+    pass IOV_MAX.
+
+    Why: a file whose first bytes are a small write (the zip header ``torch.save`` and DCP
+    write before a tensor) has its large writes at offsets off the file's blocks; their
+    arenas hold them at addresses congruent to their offsets (``WriteArenas``), so all but
+    the blocks at the seams between parts can go to O_DIRECT with no staging copy."""
+    padded = -(-n // bs) * bs
+    runs = []                       # (flush lo, flush hi, part, offset in the part)
+    s = 0
+    for i, (p, a) in enumerate(zip(parts, buffer_addresses(parts))):
+        ln = len(p)
+        if (a - s) % PAGE == 0:
+            lo, hi = -(-s // bs) * bs, (s + ln) // bs * bs
+            if hi > lo:
+                runs.append((lo, hi, i, lo - s))
+        s += ln
+    direct = sum(hi - lo for lo, hi, _, _ in runs)
+    if 2 * direct < n or 2 * len(runs) + 1 > IOV_MAX:
+        return None
+    src = Chunks(parts)
+    iov: list = []
+    pos = 0
+    for lo, hi, i, at in runs + [(padded, padded, -1, 0)]:
+        if lo > pos:                # blocks no part holds aligned: copied, zeros past n
+            pieces, dst = [], 0
+            for piece in src.slice(pos, min(lo, n)):
+                pieces.append((dst, piece))
+                dst += len(piece)
+            iov.append(memoryview(assemble(pieces, lo - pos)))
+        if hi > lo:
+            iov.append(memoryview(parts[i])[at:at + hi - lo])
+        pos = hi
+    return iov, direct
 
 log = logging.getLogger("retainzfs")
 
@@ -238,8 +280,13 @@ class DataPath:
         bs = self.s.bs
         parts = data.parts
         if not n % bs and aligned_parts(parts, bs):
-            return Staged(parts, crcs_of(parts, n), n)
+            return Staged(parts, crcs_of(parts, n), n, n)
         padded = -(-n // bs) * bs
+        if bs % PAGE == 0:
+            plan = direct_iov(parts, n, bs)
+            if plan is not None:
+                iov, direct = plan
+                return Staged(iov, crcs_of(iov, padded), padded, direct)
         return Staged(*gather_crc(parts, n, padded, CSUM_PIECE), padded)
 
     def write(self, ino: int, off: int, data: Chunks, hint: H.Hint,
@@ -300,8 +347,7 @@ class DataPath:
             try:
                 if staged is not None and pos == 0 and nbytes == staged.n:
                     chunk, crcs = staged.buf, staged.crcs     # one run: as staged
-                    if type(chunk) is list:
-                        unstaged = nbytes
+                    unstaged = staged.direct
                 else:
                     chunk = data.slice(pos, pos + payload)
                     if pad:
