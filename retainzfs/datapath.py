@@ -36,10 +36,11 @@ STAGE_MIN = 256 << 10
 
 class Staged:
     """A flush ready for the device, made with no lock held: ``buf`` (``n`` bytes, a multiple
-    of the block size) and its checksums.  ``buf`` is either the flush's own parts, when
-    each is page-aligned and whole blocks long (FUSE write requests land in such buffers,
-    ``_fuse``: O_DIRECT takes them as they are, no copy), or one page-aligned, block-padded
-    copy of them.  ``write`` uses it when the bytes go to the device as one run (the usual
+    of the block size) and its checksums.  ``buf`` is the flush's own parts, when each is
+    page-aligned and whole blocks long (FUSE write requests land in such buffers, ``_fuse``:
+    O_DIRECT takes them as they are, no copy); or a list taking the aligned blocks from the
+    parts and copies of the blocks where they meet (``direct_iov``); or one page-aligned,
+    block-padded copy of them all.  ``write`` uses it when the bytes go to the device as one run (the usual
     case); a run split where a zone ends falls back to the scatter list."""
     __slots__ = ("buf", "crcs", "n", "direct")
 
