@@ -342,7 +342,8 @@ def test_a_large_write_from_unaligned_memory_reaches_the_zone_without_a_copy(mak
         assert f.write(data) == len(data)
         os.fsync(f.fileno())
     st = m.status()
-    assert st["unstaged_write_bytes"] >= 30 * MiB, st["unstaged_write_bytes"]
+    # (a flush split where a zone ends goes out staged: up to one 4 MiB flush, so 26 MiB)
+    assert st["unstaged_write_bytes"] >= 26 * MiB, st["unstaged_write_bytes"]
     m.remount()
     assert (m / "big").read_bytes() == head + data
 
