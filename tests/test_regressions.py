@@ -541,10 +541,10 @@ def _write_until_full(path, piece: int, fsync_every: int, deadline: float):
         while time.monotonic() < deadline:
             buf = rng.randbytes(piece)
             try:
-                os.write(fd, buf)
+                k = os.write(fd, buf)       # short when the device filled within it
                 n += 1
-                written += piece
-                h.update(buf)
+                written += k
+                h.update(buf[:k])
                 if fsync_every and n % fsync_every == 0:
                     os.fsync(fd)
                     synced, synced_hash = written, h.copy().hexdigest()
