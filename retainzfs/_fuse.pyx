@@ -522,13 +522,14 @@ cdef void h_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, 
             _copy_into(head, buf, r)
             _copy_into(tail, buf + r, size - r)
             n = _ops.write(fi.fh, off, head)
-            try:
-                n += _ops.write(fi.fh, off + r, tail)
-            except BaseException:
-                if not n:
-                    raise
-                # the first bytes were taken: a short write (the caller retries the rest
-                # and gets the error then), as a file system that fills up midway answers
+            if n == r:                  # (short: the device filled within it; reply that)
+                try:
+                    n += _ops.write(fi.fh, off + r, tail)
+                except BaseException:
+                    if not n:
+                        raise
+                    # the first bytes were taken: a short write (the caller retries the rest
+                    # and gets the error then), as a file system that fills up midway answers
         else:
             if data is not None:        # a view into the file's write arena
                 _copy_into(data, buf, size)

@@ -783,7 +783,9 @@ def test_statfs_counts_what_gc_gives_back(make_image, mount_image):
     assert a1 < a0 * 0.2, (a0, a1)
     os.unlink(m / "B")
     st = m.status()
-    assert st["zone_resets"] == 0 and st["invalid_bytes"] >= n // 2 * MiB * 0.9, st
+    # (at most one zone reset: the last, near a full device, writes go to a zone at once and
+    # pad a block each now and then, so B's last bytes may spill into a zone of their own)
+    assert st["zone_resets"] <= 1 and st["invalid_bytes"] >= n // 2 * MiB * 0.9, st
     a2 = avail()
     assert a2 - a1 >= n // 2 * MiB * 0.9, (a1, a2, n)
     assert st["reclaimable_bytes"] >= n // 2 * MiB * 0.9, st
