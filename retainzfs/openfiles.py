@@ -25,6 +25,7 @@ from time import time_ns as now_ns
 from . import hints as H
 from . import records as R
 from .errors import FsError
+from .room import Room
 
 log = logging.getLogger("retainzfs")
 
@@ -47,6 +48,7 @@ class OpenFiles:
         # bytes, oldest first, with the monotonic time their buffer was last empty.
         self.buffered = 0
         self.dirty_since: dict[int, float] = {}
+        self.room = Room(store, self)
 
     def open(self, ino: int, truncate: bool = False):
         if truncate:
@@ -105,7 +107,7 @@ class OpenFiles:
         """Append to the file's write buffer if that needs no device I/O; else None.
 
         Most writes take this path (one lock, an append); the writes that would fill the
-        buffer, and those ``_write_through_locked`` names, go through ``write``, which may
+        buffer, and those ``Room.write_through_locked`` names, go through ``write``, which may
         flush."""
         s = self.s
         with s.lock:
@@ -115,7 +117,7 @@ class OpenFiles:
             if (n == 0 or inode.flush_err is not None or (buf and off != buf.end)
                     or len(buf) - inode.inflight + n >= s.opts.flush_bytes
                     or self.buffered + n > s.opts.dirty_bytes
-                    or self._write_through_locked(buf, n)):
+                    or self.room.write_through_locked(buf, n)):
                 return None
             was_empty, slack = not buf, buf.slack
             buf.append(off, data)
@@ -133,58 +135,6 @@ class OpenFiles:
             self.dirty_since.pop(ino, None)           # re-inserted last: oldest stay first
             self.dirty_since[ino] = time.monotonic()
         self.buffered += n
-
-    def room_locked(self) -> int:
-        """Bytes the write buffers may hold and still surely reach a zone: the empty zones
-        beyond the GC reserve, less a zone for each file holding buffered bytes and one for
-        the writer asking, up to the active-zone limit (each may open a zone of its own for a
-        short flush: ZenFS keeps a file in its zone, isolate a generation; no more than that
-        limit are open at once).  The free tails of active zones are not counted (a policy
-        may not put these bytes there); they fill by the writes that go through.
-        Store.lock held."""
-        s = self.s
-        spare = len(self.dirty_since) + 1
-        if s.dev.max_active:
-            spare = min(spare, s.dev.max_active)
-        return (s.alloc.empty_zones() - s.opts.gc_reserve - spare) * s.cap
-
-    def _write_through_locked(self, buf, n: int) -> bool:
-        """A write that goes to a zone at once, so that it lands or fails with ENOSPC itself
-        (as on ext4, whose delayed allocation reserves room at write time) instead of being
-        accepted and lost later (``echo x > f`` in a shell never looks at close's error, and
-        a failed flush drops the buffer it was part of): every write while the device is
-        full (a placement found no room, even after GC, and nothing was freed since), every
-        write that would leave the buffers holding more than ``room_locked`` (``write``
-        first drains them all, so the bytes already accepted get their room, and goes
-        through only if that is still short), and the first write into an empty buffer
-        while no empty zone is left beyond the GC reserve.  Not for ``replay``
-        (``inline_flush``), whose placement must not depend on it.  Store.lock held."""
-        s = self.s
-        if s.capacity_stop:
-            return True
-        if s.opts.inline_flush:
-            return False
-        return self.buffered + n > self.room_locked() or (
-            not buf and s.alloc.empty_zones() <= s.opts.gc_reserve)
-
-    def drain(self) -> None:
-        """Write every file's buffered whole blocks to zones, oldest first, now (a partial
-        last block stays for the file's next write: padding it now would waste a block that
-        the next write rewrites; the margin of ``room_locked`` holds a zone per file).
-        A failure is parked for that file's writer, as a background flush's is.  No lock
-        held; called when the buffers would outgrow the room left on the device."""
-        s = self.s
-        with s.lock:
-            inos = list(self.dirty_since)
-        for ino in inos:
-            try:
-                self.wait_flush(ino)
-                self.flush_data(ino, final=False)
-            except OSError as e:
-                with s.lock:
-                    inode = s.inodes.get(ino)
-                    if inode is not None and inode.flush_err is None:
-                        inode.flush_err = e
 
     def write(self, ino: int, off: int, data: bytes) -> int:
         n = len(data)
@@ -204,7 +154,7 @@ class OpenFiles:
             with s.lock:
                 inode = s.ns.get_locked(ino)
                 buf = inode.wbuf
-                through = self._write_through_locked(buf, n)
+                through = self.room.write_through_locked(buf, n)
                 drain = through and not drained and not s.capacity_stop and self.buffered > 0
                 if not drain:
                     was_empty, slack = not buf, buf.slack
@@ -222,7 +172,7 @@ class OpenFiles:
                 # the buffers would outgrow the room left: what they hold was accepted, so
                 # it goes out first, while there is room for it; this write then buffers if
                 # that made room, else it goes through
-                self.drain()
+                self.room.drain()
                 drained = True
                 continue
             if need_flush:
@@ -232,7 +182,7 @@ class OpenFiles:
                 # lands now or fails with ENOSPC itself; its bytes are dropped on failure,
                 # and so when an earlier flush failed meanwhile (its error is then this
                 # write's)
-                landed = self._write_through(ino, off, n)
+                landed = self.room.write_through(ino, off, n)
                 self.check_flush_error(ino)
                 return landed
             elif over:
@@ -242,32 +192,6 @@ class OpenFiles:
             elif full:
                 self.flush_background(ino)
             return n
-
-    def _write_through(self, ino: int, off: int, n: int) -> int:
-        """Flush the file's buffer, which ends with this write of ``n`` bytes at ``off``: ``n``,
-        or, when the device filled after the first of its bytes reached a zone (an append
-        placed in part), that many -- a short write, as ext4 gives when it fills mid-write;
-        the caller's next write then gets ENOSPC.  Else the flush's error."""
-        s = self.s
-        with s.lock:
-            inode = s.ns.get_locked(ino)
-            base = max((e.end for e in inode.extents), default=0)
-        try:
-            # all of it, a partial last block padded: bytes left buffered would have no room
-            # of their own (the next write's flush rewrites that block: the kernel splits a
-            # large write where the caller's memory crosses a page, so near a full device
-            # about one block per such piece goes to padding, as ext4 gives less than df)
-            self.flush_data(ino, final=True)
-        except OSError as e:
-            if e.errno != errno.ENOSPC or off < base:
-                raise
-            with s.lock:
-                inode = s.inodes.get(ino)
-                landed = inode.size - off if inode is not None else 0
-            if not 0 < landed < n:
-                raise
-            return landed
-        return n
 
     def flush_background(self, ino: int) -> None:
         """Queue a zone write of the full buffer.  At most two flushes of a file in flight, the

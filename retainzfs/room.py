@@ -1,0 +1,101 @@
+"""The room write buffers may take on a nearly full device, so that no write is
+acknowledged and then lost (issue 10's full-device finding: a flush that found no room dropped
+the buffer it was part of, 8 MiB of acknowledged writes, with a silent close).
+
+ext4 reserves blocks at write time (delayed allocation); a zone policy decides where bytes go
+only when they are flushed, so ``Room`` bounds what all buffers hold by what surely fits
+(``room_locked``), sends every buffer's whole blocks out when a write would pass that
+(``drain``), and past it sends writes to a zone at once (``write_through``): they land, or
+fail with ENOSPC themselves -- short when the device filled within one.
+
+Locks: the ``_locked`` functions need ``Store.lock``; ``drain`` and ``write_through`` take it
+and flush with none held (``OpenFiles.flush_data``).
+"""
+from __future__ import annotations
+
+import errno
+
+
+class Room:
+    def __init__(self, store, files) -> None:
+        self.s = store
+        self.f = files           # OpenFiles: buffered, dirty_since, the flushes
+
+    def room_locked(self) -> int:
+        """Bytes the write buffers may hold and still surely reach a zone: the empty zones
+        beyond the GC reserve, less a zone for each file holding buffered bytes and one for
+        the writer asking, up to the active-zone limit (each may open a zone of its own for a
+        short flush: ZenFS keeps a file in its zone, isolate a generation; no more than that
+        limit are open at once).  The free tails of active zones are not counted (a policy
+        may not put these bytes there); they fill by the writes that go through.
+        Store.lock held."""
+        s = self.s
+        spare = len(self.f.dirty_since) + 1
+        if s.dev.max_active:
+            spare = min(spare, s.dev.max_active)
+        return (s.alloc.empty_zones() - s.opts.gc_reserve - spare) * s.cap
+
+    def write_through_locked(self, buf, n: int) -> bool:
+        """A write that goes to a zone at once, so that it lands or fails with ENOSPC itself
+        (as on ext4, whose delayed allocation reserves room at write time) instead of being
+        accepted and lost later (``echo x > f`` in a shell never looks at close's error, and
+        a failed flush drops the buffer it was part of): every write while the device is
+        full (a placement found no room, even after GC, and nothing was freed since), every
+        write that would leave the buffers holding more than ``room_locked`` (``write``
+        first drains them all, so the bytes already accepted get their room, and goes
+        through only if that is still short), and the first write into an empty buffer
+        while no empty zone is left beyond the GC reserve.  Not for ``replay``
+        (``inline_flush``), whose placement must not depend on it.  Store.lock held."""
+        s = self.s
+        assert s.lock._is_owned(), "write_through_locked without Store.lock"
+        if s.capacity_stop:
+            return True
+        if s.opts.inline_flush:
+            return False
+        return self.f.buffered + n > self.room_locked() or (
+            not buf and s.alloc.empty_zones() <= s.opts.gc_reserve)
+
+    def drain(self) -> None:
+        """Write every file's buffered whole blocks to zones, oldest first, now (a partial
+        last block stays for the file's next write: padding it now would waste a block that
+        the next write rewrites; the margin of ``room_locked`` holds a zone per file).
+        A failure is parked for that file's writer, as a background flush's is.  No lock
+        held; called when the buffers would outgrow the room left on the device."""
+        s = self.s
+        with s.lock:
+            inos = list(self.f.dirty_since)
+        for ino in inos:
+            try:
+                self.f.wait_flush(ino)
+                self.f.flush_data(ino, final=False)
+            except OSError as e:
+                with s.lock:
+                    inode = s.inodes.get(ino)
+                    if inode is not None and inode.flush_err is None:
+                        inode.flush_err = e
+
+    def write_through(self, ino: int, off: int, n: int) -> int:
+        """Flush the file's buffer, which ends with this write of ``n`` bytes at ``off``: ``n``,
+        or, when the device filled after the first of its bytes reached a zone (an append
+        placed in part), that many -- a short write, as ext4 gives when it fills mid-write;
+        the caller's next write then gets ENOSPC.  Else the flush's error."""
+        s = self.s
+        with s.lock:
+            inode = s.ns.get_locked(ino)
+            base = max((e.end for e in inode.extents), default=0)
+        try:
+            # all of it, a partial last block padded: bytes left buffered would have no room
+            # of their own (the next write's flush rewrites that block: the kernel splits a
+            # large write where the caller's memory crosses a page, so near a full device
+            # about one block per such piece goes to padding, as ext4 gives less than df)
+            self.f.flush_data(ino, final=True)
+        except OSError as e:
+            if e.errno != errno.ENOSPC or off < base:
+                raise
+            with s.lock:
+                inode = s.inodes.get(ino)
+                landed = inode.size - off if inode is not None else 0
+            if not 0 < landed < n:
+                raise
+            return landed
+        return n
