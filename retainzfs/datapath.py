@@ -332,7 +332,11 @@ class DataPath:
                 if gc:
                     zone, nbytes = self.place_copy_iolocked(padded, hint, copy_from[0])
                 else:
-                    zone, nbytes = self.place_iolocked(padded, hint, False, ino)
+                    try:
+                        zone, nbytes = self.place_iolocked(padded, hint, False, ino)
+                    except FsError as e:
+                        e.landed_end = off + pos    # the file bytes before it are in zones
+                        raise
                 self.ensure_open_slot_iolocked(zone)
                 zoff = dev.reserve(zone, nbytes)
                 payload = min(nbytes, remaining)

@@ -120,6 +120,8 @@ class OpenFiles:
                     or self.room.write_through_locked(buf, n)):
                 return None
             was_empty, slack = not buf, buf.slack
+            if was_empty:
+                buf.size0 = inode.size
             buf.append(off, data)
             self._note_locked(ino, was_empty, n + buf.slack - slack)
             inode.mtime = inode.ctime = now_ns()
@@ -158,6 +160,8 @@ class OpenFiles:
                 drain = through and not drained and not s.capacity_stop and self.buffered > 0
                 if not drain:
                     was_empty, slack = not buf, buf.slack
+                    if was_empty:
+                        buf.size0 = inode.size
                     need_flush = not buf.append(off, data)
                 if not drain and not need_flush:
                     self._note_locked(ino, was_empty, n + buf.slack - slack)
@@ -364,7 +368,10 @@ class OpenFiles:
                         wb.clear()
                         inode.inflight = 0
                         inode.flush_epoch += 1
-                        inode.size = max((e.end for e in inode.extents), default=0)
+                        # back to the size before the dropped bytes (a size set by
+                        # truncate stays: a sparse file does not shrink to its extents)
+                        inode.size = max(wb.size0,
+                                         max((e.end for e in inode.extents), default=0))
             raise
         finally:
             mine.set()

@@ -76,13 +76,9 @@ class Room:
 
     def write_through(self, ino: int, off: int, n: int) -> int:
         """Flush the file's buffer, which ends with this write of ``n`` bytes at ``off``: ``n``,
-        or, when the device filled after the first of its bytes reached a zone (an append
-        placed in part), that many -- a short write, as ext4 gives when it fills mid-write;
-        the caller's next write then gets ENOSPC.  Else the flush's error."""
-        s = self.s
-        with s.lock:
-            inode = s.ns.get_locked(ino)
-            base = max((e.end for e in inode.extents), default=0)
+        or, when the device filled after the first of its bytes reached a zone (placed in
+        part: ``landed_end`` of the error), that many -- a short write, as ext4 gives when it
+        fills mid-write; the caller's next write then gets ENOSPC.  Else the flush's error."""
         try:
             # all of it, a partial last block padded: bytes left buffered would have no room
             # of their own (the next write's flush rewrites that block: the kernel splits a
@@ -90,12 +86,8 @@ class Room:
             # about one block per such piece goes to padding, as ext4 gives less than df)
             self.f.flush_data(ino, final=True)
         except OSError as e:
-            if e.errno != errno.ENOSPC or off < base:
+            end = getattr(e, "landed_end", None)
+            if e.errno != errno.ENOSPC or end is None or not off < end < off + n:
                 raise
-            with s.lock:
-                inode = s.inodes.get(ino)
-                landed = inode.size - off if inode is not None else 0
-            if not 0 < landed < n:
-                raise
-            return landed
+            return end - off
         return n

@@ -54,7 +54,7 @@ class Chunks:
 
 class WriteBuffer:
     """Bytes of one file range [off, off + len) not yet placed in a zone."""
-    __slots__ = ("off", "chunks", "length", "_tail", "slack")
+    __slots__ = ("off", "chunks", "length", "_tail", "slack", "size0")
 
     def __init__(self) -> None:
         self.off = 0
@@ -65,6 +65,9 @@ class WriteBuffer:
         # the buffer costs in memory is ``length + slack``, and that is what ``dirty_bytes``
         # bounds (OpenFiles)
         self.slack = 0
+        # the file's size when the buffer was last empty (set by OpenFiles): what a failed
+        # flush, which drops the buffer, puts the size back to
+        self.size0 = 0
 
     def __len__(self) -> int:
         return self.length

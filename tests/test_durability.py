@@ -571,6 +571,34 @@ def test_a_full_device_keeps_every_acknowledged_write(make_image, mount_image, a
     assert_fsck_clean(img)
 
 
+def test_a_write_the_full_device_refuses_keeps_a_truncated_size(make_image, mount_image):
+    """A write that fails with ENOSPC drops its bytes and puts the file's size back -- to the
+    size before them, not to the end of the file's extents: a file extended by ``truncate``
+    (sparse, no extent) shrank to 0 (found by ``test_model.py::test_full_mount_model``)."""
+    img = make_image(size="64M")
+    m = mount_image(img)
+    size = 5 * MiB + 7
+    with open(m / "sparse", "wb") as f:
+        f.write(b"head")
+        f.truncate(size)
+    with pytest.raises(OSError) as ei:
+        for i in range(100):
+            with open(m / f"f{i}", "wb") as f:
+                f.write(random.Random(i).randbytes(4 * MiB))
+                os.fsync(f.fileno())
+    assert ei.value.errno == errno.ENOSPC
+    fd = os.open(m / "sparse", os.O_WRONLY)
+    try:
+        with pytest.raises(OSError) as ei:
+            os.pwrite(fd, b"x" * 8192, MiB)
+        assert ei.value.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    assert os.path.getsize(m / "sparse") == size
+    m.remount()
+    assert (m / "sparse").read_bytes() == b"head" + bytes(size - 4)
+
+
 def test_full_metadata_zones_refuse_new_names_and_lose_none(make_image, mount_image):
     """Creates that the metadata zones cannot hold fail with ENOSPC (as ext4 with no inode
     left) instead of being acknowledged and lost: 600,000 creates on a 64 MiB image all
