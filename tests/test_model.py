@@ -202,6 +202,60 @@ def test_store_model(tmp_path):
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
 
 
+class FullStoreMachine(StoreMachine):
+    """The Store model on a device that fills (8 data zones of 4 MiB, writes of up to
+    8 MiB): a write that fails with ENOSPC, or is short, applies exactly what it
+    acknowledged; commit (close, fsync) never fails: nothing acknowledged is dropped."""
+    full = 0
+
+    @initialize()
+    def start(self):
+        self.dev = create_image(self.path, 48 * MiB, 4 * MiB, max_open=8, max_active=8,
+                                force=True)
+        Store.format(self.dev)
+        self.store = Store(self.dev)
+
+    def b_write(self, name, pieces, fsync):
+        try:
+            ino = self._ino(name)
+        except FsError:
+            ino = self.store.create(ROOT_INO, name.encode(), 0o644).ino
+        self.store.open(ino)
+        done = []
+        try:
+            for off, d in pieces:
+                try:
+                    k = self.store.buffer_write(ino, off, d)
+                    if k is None:
+                        k = self.store.write(ino, off, d)
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC, e
+                    FullStoreMachine.full += 1
+                    break
+                done.append((off, d[:k]))
+                if k < len(d):
+                    FullStoreMachine.full += 1
+                    break
+            self.store.commit(ino, durable=fsync)
+        finally:
+            self.store.release(ino)
+        return done
+
+    @rule(name=NAMES, off=OFFS, n=st.sampled_from([3 << 20, 8 << 20]), fsync=st.booleans())
+    def write_big(self, name, off, n, fsync):
+        """Large writes, so that the device fills within a few steps."""
+        self.write(name, off, n, fsync, 1)
+
+
+def test_full_store_model(tmp_path):
+    FullStoreMachine.path = str(tmp_path / "full.zns")
+    FullStoreMachine.full = 0
+    run_state_machine_as_test(FullStoreMachine, settings=settings(
+        max_examples=30, stateful_step_count=25, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    assert FullStoreMachine.full > 0, "the device never filled: the model tested nothing"
+
+
 # ------------------------------------------------------------------ through the mount
 class MountMachine(_Base):
     mount = None
