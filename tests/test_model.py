@@ -202,11 +202,44 @@ def test_store_model(tmp_path):
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
 
 
-class FullStoreMachine(StoreMachine):
+def _until_full(counter, pieces, write_one) -> list:
+    """Write ``pieces`` with ``write_one(off, data) -> count`` until one fails with ENOSPC or
+    is short: the (off, bytes) each write acknowledged; counts the writes that met a full
+    device in ``counter.full`` (the machine's class: a test asserts the device did fill)."""
+    done = []
+    for off, d in pieces:
+        try:
+            k = write_one(off, d)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+            counter.full += 1
+            break
+        done.append((off, d[:k]))
+        if k < len(d):
+            counter.full += 1
+            break
+    return done
+
+
+class _Fills:
+    """For a machine on a device that fills: large writes, so that it fills within a few
+    steps, and ``full``, the writes that met it (``_until_full``)."""
+    full = 0
+
+    @rule(name=NAMES, off=OFFS, n=st.sampled_from([3 << 20, 8 << 20]), fsync=st.booleans())
+    def write_big(self, name, off, n, fsync):
+        self.write(name, off, n, fsync, 1)
+
+    def ballast(self):
+        """20 of the 32 MiB of data zones taken first (a file the rules may rewrite, truncate
+        or delete), so that every example meets a full device."""
+        self.write("ballast", 0, 20 << 20, True, 1)
+
+
+class FullStoreMachine(_Fills, StoreMachine):
     """The Store model on a device that fills (8 data zones of 4 MiB, writes of up to
     8 MiB): a write that fails with ENOSPC, or is short, applies exactly what it
     acknowledged; commit (close, fsync) never fails: nothing acknowledged is dropped."""
-    full = 0
 
     @initialize()
     def start(self):
@@ -214,6 +247,7 @@ class FullStoreMachine(StoreMachine):
                                 force=True)
         Store.format(self.dev)
         self.store = Store(self.dev)
+        self.ballast()
 
     def b_write(self, name, pieces, fsync):
         try:
@@ -221,30 +255,17 @@ class FullStoreMachine(StoreMachine):
         except FsError:
             ino = self.store.create(ROOT_INO, name.encode(), 0o644).ino
         self.store.open(ino)
-        done = []
+
+        def write_one(off, d):
+            k = self.store.buffer_write(ino, off, d)
+            return self.store.write(ino, off, d) if k is None else k
         try:
-            for off, d in pieces:
-                try:
-                    k = self.store.buffer_write(ino, off, d)
-                    if k is None:
-                        k = self.store.write(ino, off, d)
-                except OSError as e:
-                    assert e.errno == errno.ENOSPC, e
-                    FullStoreMachine.full += 1
-                    break
-                done.append((off, d[:k]))
-                if k < len(d):
-                    FullStoreMachine.full += 1
-                    break
+            done = _until_full(FullStoreMachine, pieces, write_one)
             self.store.commit(ino, durable=fsync)
         finally:
             self.store.release(ino)
         return done
 
-    @rule(name=NAMES, off=OFFS, n=st.sampled_from([3 << 20, 8 << 20]), fsync=st.booleans())
-    def write_big(self, name, off, n, fsync):
-        """Large writes, so that the device fills within a few steps."""
-        self.write(name, off, n, fsync, 1)
 
 
 def test_full_store_model(tmp_path):
@@ -318,7 +339,7 @@ def test_mount_model(mounted):
 
 
 # ------------------------------------------------------------------ through a mount that fills up
-class FullMountMachine(MountMachine):
+class FullMountMachine(_Fills, MountMachine):
     """The mount model on a device that fills, fresh for each example (so a failure replays
     and shrinks): 8 data zones of 4 MiB, writes of up to 8 MiB.  A write that fails with
     ENOSPC, or is short, applies to the model exactly what it acknowledged -- also an
@@ -326,7 +347,6 @@ class FullMountMachine(MountMachine):
     dropped); after every step, and after remounts, the files hold what the model says."""
     workdir = None
     allocator = "retainz"
-    full = 0                # writes that met a full device (ENOSPC or short), all examples
 
     @initialize()
     def start(self):
@@ -338,6 +358,7 @@ class FullMountMachine(MountMachine):
         self.mount = Mount(img, self.workdir / f"full{k}")
         self.mount.mount()
         self.dir = self.mount.path
+        self.ballast()
 
     def teardown(self):
         m = getattr(self, "mount", None)
@@ -349,30 +370,16 @@ class FullMountMachine(MountMachine):
             os.unlink(m.img)
 
     def b_write(self, name, pieces, fsync):
-        done = []
         fd = os.open(self.p(name), os.O_CREAT | os.O_WRONLY, 0o644)
         try:
-            for off, d in pieces:
-                try:
-                    k = os.pwrite(fd, d, off)
-                except OSError as e:
-                    assert e.errno == errno.ENOSPC, e
-                    FullMountMachine.full += 1
-                    break
-                done.append((off, d[:k]))
-                if k < len(d):
-                    FullMountMachine.full += 1
-                    break
+            done = _until_full(FullMountMachine, pieces,
+                               lambda off, d: os.pwrite(fd, d, off))
             if fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
         return done
 
-    @rule(name=NAMES, off=OFFS, n=st.sampled_from([3 << 20, 8 << 20]), fsync=st.booleans())
-    def write_big(self, name, off, n, fsync):
-        """Large writes, so that the device fills within a few steps."""
-        self.write(name, off, n, fsync, 1)
 
 
 @pytest.mark.parametrize("allocator", ["retainz", "zenfs"])
