@@ -125,10 +125,11 @@ class _Base(RuleBasedStateMachine):
 # ------------------------------------------------------------------ through the Store
 class StoreMachine(_Base):
     path: str = ""
+    size = 128 * MiB
 
     @initialize()
     def start(self):
-        self.dev = create_image(self.path, 128 * MiB, 4 * MiB, max_open=6, max_active=8,
+        self.dev = create_image(self.path, self.size, 4 * MiB, max_open=6, max_active=8,
                                 force=True)
         Store.format(self.dev)
         self.store = Store(self.dev)
@@ -141,12 +142,17 @@ class StoreMachine(_Base):
     def _ino(self, name):
         return self.store.lookup(ROOT_INO, name.encode()).ino
 
-    def b_write(self, name, pieces, fsync):
+    def _open(self, name) -> int:
+        """open(O_CREAT) of a file: its inode number."""
         try:
             ino = self._ino(name)
         except FsError:
             ino = self.store.create(ROOT_INO, name.encode(), 0o644).ino
         self.store.open(ino)
+        return ino
+
+    def b_write(self, name, pieces, fsync):
+        ino = self._open(name)
         for off, d in pieces:
             if self.store.buffer_write(ino, off, d) is None:
                 self.store.write(ino, off, d)
@@ -241,20 +247,15 @@ class FullStoreMachine(_Fills, StoreMachine):
     8 MiB): a write that fails with ENOSPC, or is short, applies exactly what it
     acknowledged; commit (close, fsync) never fails: nothing acknowledged is dropped."""
 
+    size = 48 * MiB
+
     @initialize()
     def start(self):
-        self.dev = create_image(self.path, 48 * MiB, 4 * MiB, max_open=8, max_active=8,
-                                force=True)
-        Store.format(self.dev)
-        self.store = Store(self.dev)
+        StoreMachine.start(self)
         self.ballast()
 
     def b_write(self, name, pieces, fsync):
-        try:
-            ino = self._ino(name)
-        except FsError:
-            ino = self.store.create(ROOT_INO, name.encode(), 0o644).ino
-        self.store.open(ino)
+        ino = self._open(name)
 
         def write_one(off, d):
             k = self.store.buffer_write(ino, off, d)
