@@ -56,7 +56,7 @@ class Fsck:
         "error"}]}; ``progress(nbytes)`` is called as bytes are verified."""
         s = self.s
         with s.lock:
-            work = [(i.ino, s.ns.path_of(i.ino), e.off, e.zone, e.zoff, e.length)
+            work = [(i.ino, s.inodes.path_of(i.ino), e.off, e.zone, e.zoff, e.length)
                     for i in list(s.inodes.values()) if i.is_reg for e in i.extents]
         done, errors = 0, []
         step = 4 << 20

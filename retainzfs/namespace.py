@@ -37,6 +37,7 @@ from .extents import ExtentMap
 from .writebuf import WriteBuffer
 
 EMPTY_MAP = MappingProxyType({})
+ROOT_INO = 1
 
 
 class _NoExtents(ExtentMap):
@@ -252,6 +253,26 @@ class InodeTable(MutableMapping):
         self.mask = (1 << page_bits) - 1
         self.pages: dict[int, _Page] = {}
         self.n = 0
+
+    # -- paths (no lock of their own: the caller holds Store.lock or owns the store alone)
+    def path_of(self, ino: int) -> str:
+        """The path of an inode from the root, for log lines and reports (its first link)."""
+        parts = []
+        inode = self.get(ino)
+        while inode is not None and inode.ino != ROOT_INO:
+            parts.append(inode.name.decode("utf-8", "replace"))
+            inode = self.get(inode.parent)
+        return "/" + "/".join(reversed(parts))
+
+    def resolve(self, path: str) -> int | None:
+        """Inode number of an absolute path inside the filesystem, or None."""
+        cur = self.get(ROOT_INO)
+        for part in filter(None, path.split("/")):
+            if cur is None or not cur.is_dir:
+                return None
+            nxt = cur.entries.get(part.encode("utf-8", "surrogateescape"))
+            cur = self.get(nxt) if nxt is not None else None
+        return cur.ino if cur is not None else None
 
     # -- rows
     def _row(self, ino: int):

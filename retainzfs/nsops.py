@@ -20,11 +20,10 @@ from time import time_ns as now_ns
 from . import hints as H
 from . import records as R
 from .errors import FsError
-from .namespace import Attrs, Inode
+from .namespace import ROOT_INO, Attrs, Inode
 
 log = logging.getLogger("retainzfs")
 
-ROOT_INO = 1
 NAME_MAX = 255
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
 
@@ -73,27 +72,6 @@ class NamespaceOps:
         if ino is None:
             raise FsError(errno.ENOENT)
         return p, self.s.inodes[ino]
-
-    def path_of(self, ino: int) -> str:
-        inodes = self.s.inodes
-        parts = []
-        inode = inodes.get(ino)
-        while inode is not None and inode.ino != ROOT_INO:
-            parts.append(inode.name.decode("utf-8", "replace"))
-            inode = inodes.get(inode.parent)
-        return "/" + "/".join(reversed(parts))
-
-    def resolve_path(self, path: str) -> int | None:
-        """Inode number of an absolute path inside the filesystem, or None."""
-        s = self.s
-        with s.lock:
-            cur = s.inodes.get(ROOT_INO)
-            for part in filter(None, path.split("/")):
-                if cur is None or not cur.is_dir:
-                    return None
-                nxt = cur.entries.get(part.encode("utf-8", "surrogateescape"))
-                cur = s.inodes.get(nxt) if nxt is not None else None
-            return cur.ino if cur is not None else None
 
     # ------------------------------------------------------------------ lookups
     def getattr(self, ino: int) -> Inode:
@@ -372,7 +350,7 @@ class NamespaceOps:
                 try:
                     H.parse_policy(s.hints.read_policy_file_locked(moving))
                 except H.HintError as e:
-                    log.error("rename onto %s/.retainz refused: %s", self.path_of(np_.ino), e)
+                    log.error("rename onto %s/.retainz refused: %s", self.s.inodes.path_of(np_.ino), e)
                     raise FsError(errno.EINVAL, str(e)) from None
             s.do_locked(R.RENAME, R.pack_json({"op": op.ino, "on": old_name.decode("latin-1"),
                                                "np": np_.ino, "nn": new_name.decode("latin-1"),
@@ -485,7 +463,7 @@ class StoreHints:
         if h is None:
             raise FsError(errno.ENODATA)
         doc = {"birth": h.birth, "reclaim": fmt_hint(h.reclaim), "stream": h.stream,
-               "source": h.source, "name": self.s.ns.path_of(inode.ino)}
+               "source": h.source, "name": self.s.inodes.path_of(inode.ino)}
         p = inode.placed_hint
         if p is not None and (p.birth, p.reclaim) != (h.birth, h.reclaim):
             doc["placed"] = {"birth": p.birth, "reclaim": fmt_hint(p.reclaim),
@@ -514,7 +492,7 @@ class StoreHints:
             pol = H.parse_policy(data)
         except H.HintError as e:
             s.policy_errors[dir_ino] = str(e)
-            log.error("%s: %s", s.ns.path_of(pino), e)
+            log.error("%s: %s", s.inodes.path_of(pino), e)
             if d.policy_src and dir_ino not in s.policies:
                 try:                          # after a remount: the last valid text
                     s.policies[dir_ino] = H.parse_policy(d.policy_src)
@@ -565,7 +543,7 @@ class StoreHints:
                 if f.placed_hint is None:
                     f.placed_hint = f.hint
                 log.info("%s: hint re-derived after rename (birth %d, reclaim %s); %d bytes "
-                         "already placed with reclaim %s", s.ns.path_of(f.ino), new.birth,
+                         "already placed with reclaim %s", s.inodes.path_of(f.ino), new.birth,
                          fmt_hint(new.reclaim), sum(e.length for e in f.extents),
                          fmt_hint(f.placed_hint.reclaim))
             f.hint = new

@@ -155,7 +155,7 @@ class ReadPath:
             key = (zone, zoff)
             first = key not in s._bad_pieces
             s._bad_pieces.add(key)
-            path = s.ns.path_of(ino) if ino in s.inodes else f"inode {ino}"
+            path = s.inodes.path_of(ino) if ino in s.inodes else f"inode {ino}"
         if first:
             log.error("%s: file %s offset %d, zone %d offset %d: returning EIO", what, path,
                       file_off, zone, zoff)

@@ -4,9 +4,9 @@ the buffer it was part of, 8 MiB of acknowledged writes, with a silent close).
 
 ext4 reserves blocks at write time (delayed allocation); a zone policy decides where bytes go
 only when they are flushed, so ``Room`` bounds what all buffers hold by what surely fits
-(``room_locked``), sends every buffer's whole blocks out when a write would pass that
-(``drain``), and past it sends writes to a zone at once (``write_through``): they land, or
-fail with ENOSPC themselves -- short when the device filled within one.
+(``room_locked``), sends every buffer out, partial last blocks too, when a write would pass
+that (``drain``), and past it sends writes to a zone at once (``write_through``): they land,
+or fail with ENOSPC themselves -- short when the device filled within one.
 
 Locks: the ``_locked`` functions need ``Store.lock``; ``drain`` and ``write_through`` take it
 and flush with none held (``OpenFiles.flush_data``).
@@ -56,18 +56,20 @@ class Room:
             not buf and s.alloc.empty_zones() <= s.opts.gc_reserve)
 
     def drain(self) -> None:
-        """Write every file's buffered whole blocks to zones, oldest first, now (a partial
-        last block stays for the file's next write: padding it now would waste a block that
-        the next write rewrites; the margin of ``room_locked`` holds a zone per file).
-        A failure is parked for that file's writer, as a background flush's is.  No lock
-        held; called when the buffers would outgrow the room left on the device."""
+        """Write everything every file holds buffered to zones, oldest first, now -- a partial
+        last block too, padded (one block per file, once: past this point writes go through).
+        Kept back, such a block was lost: the writes that went through next could take the
+        last zone, and the file's own next write then failed with ENOSPC and took the block's
+        acknowledged bytes with it.  A failure is parked for that file's writer, as a
+        background flush's is.  No lock held; called when the buffers would outgrow the room
+        left on the device."""
         s = self.s
         with s.lock:
             inos = list(self.f.dirty_since)
         for ino in inos:
             try:
                 self.f.wait_flush(ino)
-                self.f.flush_data(ino, final=False)
+                self.f.flush_data(ino, final=True)
             except OSError as e:
                 with s.lock:
                     inode = s.inodes.get(ino)

@@ -104,7 +104,7 @@ class StoreStats:
 
     def status(self) -> dict:
         s = self.s
-        path_of = s.ns.path_of
+        path_of = s.inodes.path_of
         daemon = process_stats() if self.serving else None     # /proc reads: not under the lock
         with s.lock:
             cap = s.cap

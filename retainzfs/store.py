@@ -300,8 +300,7 @@ class Store:
     getxattr = _Via("xattrs")
     listxattr = _Via("xattrs")
     removexattr = _Via("xattrs")
-    resolve_path = _Via("ns")
-    path_of = _Via("ns")
+    path_of = _Via("inodes")
     # open files and write buffers, openfiles.OpenFiles
     open = _Via("files")
     buffer_write = _Via("files")
@@ -323,6 +322,11 @@ class Store:
 
     def root(self) -> Inode:
         return self.inodes[ROOT_INO]
+
+    def resolve_path(self, path: str) -> int | None:
+        """Inode number of an absolute path inside the filesystem, or None."""
+        with self.lock:
+            return self.inodes.resolve(path)
 
     @property
     def reset_pending(self) -> bool:
