@@ -571,6 +571,40 @@ def test_a_full_device_keeps_every_acknowledged_write(make_image, mount_image, a
     assert_fsck_clean(img)
 
 
+@pytest.mark.parametrize("head", [100_000, 4095, 4097, 8192])
+def test_a_file_s_last_partial_block_survives_another_file_filling_the_device(
+        make_image, mount_image, head):
+    """File A is left holding a partial last block (``head`` bytes, never fsynced) while file
+    B fills the device; A's next write then fails with ENOSPC, and every byte A's first
+    write acknowledged is in A after close and a remount.  Before drains wrote partial last
+    blocks too, the drain B's writes set off sent only A's whole blocks out, B's writes then
+    took the last zone, and A's failing write dropped A's buffered tail with its own bytes
+    (A shrank from 100,000 to 98,304 bytes, and close reported nothing)."""
+    img = make_image("64M", "4M", 8, 8)
+    m = mount_image(img)
+    a_bytes = random.Random(1).randbytes(head)
+    fa = os.open(m / "a", os.O_WRONLY | os.O_CREAT, 0o644)
+    fb = os.open(m / "b", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        assert os.write(fa, a_bytes) == head
+        piece = random.Random(2).randbytes(MiB)
+        with pytest.raises(OSError) as ei:
+            for _ in range(200):
+                os.write(fb, piece)
+        assert ei.value.errno == errno.ENOSPC
+        with pytest.raises(OSError) as ei:
+            os.write(fa, b"more")
+        assert ei.value.errno == errno.ENOSPC
+        assert os.fstat(fa).st_size == head
+    finally:
+        os.close(fa)
+        os.close(fb)
+    m.remount()
+    assert (m / "a").read_bytes() == a_bytes
+    m.umount()
+    assert_fsck_clean(img)
+
+
 def test_a_write_the_full_device_refuses_keeps_a_truncated_size(make_image, mount_image):
     """A write that fails with ENOSPC drops its bytes and puts the file's size back -- to the
     size before them, not to the end of the file's extents: a file extended by ``truncate``
