@@ -571,6 +571,49 @@ def test_a_full_device_keeps_every_acknowledged_write(make_image, mount_image, a
     assert_fsck_clean(img)
 
 
+@pytest.mark.parametrize("piece,nthreads", [(100_000, 4), (4097, 3), (MiB, 6)])
+def test_writers_in_parallel_filling_the_device_keep_every_acknowledged_write(
+        make_image, mount_image, piece, nthreads):
+    """Threads each write their own file, never fsynced, until their write fails with ENOSPC
+    (or the device's worth is written): every byte a write acknowledged is there after close
+    and a remount.  The round-robin test above fills the device from one thread; here one
+    writer's write can go through to a zone while another decides to buffer."""
+    img = make_image("128M", "4M", 8, 8)
+    m = mount_image(img)
+    streams = [random.Random(k).randbytes(64 * MiB) for k in range(nthreads)]
+    acked = [0] * nthreads
+    errs: list = [None] * nthreads
+
+    def writer(k: int) -> None:
+        fd = os.open(m / f"f{k}", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            while acked[k] < len(streams[k]):
+                try:
+                    acked[k] += os.write(fd, streams[k][acked[k]:acked[k] + piece])
+                except OSError as e:
+                    errs[k] = e.errno
+                    return
+        finally:
+            try:
+                os.close(fd)
+            except OSError as e:
+                errs[k] = ("close", e.errno)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(nthreads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(errs) <= {None, errno.ENOSPC} and errno.ENOSPC in errs, errs
+    assert sum(acked) >= 0.7 * 128 * MiB, acked
+    m.remount()
+    for k in range(nthreads):
+        got = (m / f"f{k}").read_bytes()
+        assert len(got) == acked[k] and got == streams[k][:acked[k]], (k, len(got), acked)
+    m.umount()
+    assert_fsck_clean(img)
+
+
 @pytest.mark.parametrize("head", [100_000, 4095, 4097, 8192])
 def test_a_file_s_last_partial_block_survives_another_file_filling_the_device(
         make_image, mount_image, head):
