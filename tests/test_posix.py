@@ -595,6 +595,69 @@ def test_concurrent_random_offset_reads(mounted):
     assert not errors, errors[:3]
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_threads_writing_one_file_in_random_order_while_others_read_it(mounted, seed):
+    """Four threads pwrite disjoint pieces (1 byte to a few hundred KiB, 48 MiB in all) of one
+    file through one descriptor in random order, fsyncing now and then, while two readers
+    check random pieces already written: every read sees the bytes written, and the file is
+    whole after close and after a remount.  fsx runs one process; nothing else wrote one file
+    from several threads at offsets out of order (buffer breaks, overlays of buffered bytes
+    on stored ones, flushes racing reads)."""
+    rng = random.Random(seed)
+    size = 48 * MiB
+    cuts = sorted({0, size, *(rng.randrange(size) for _ in range(3000))})
+    pieces = list(zip(cuts, cuts[1:]))
+    rng.shuffle(pieces)
+    data = rng.randbytes(size)
+    p = mounted / "shared"
+    written: list[list] = [[] for _ in range(4)]
+    errors: list = []
+    stop = threading.Event()
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+
+    def writer(k: int) -> None:
+        r = random.Random(seed * 10 + k)
+        try:
+            for a, b in pieces[k::4]:
+                assert os.pwrite(fd, data[a:b], a) == b - a
+                written[k].append((a, b))
+                if r.random() < 0.01:
+                    os.fsync(fd)
+        except BaseException as e:     # noqa: BLE001
+            errors.append(("write", k, e))
+
+    def reader(k: int) -> None:
+        r = random.Random(seed * 100 + k)
+        rfd = os.open(p, os.O_RDONLY)
+        try:
+            while not stop.is_set():
+                seen = [piece for w in written for piece in list(w)]
+                for a, b in r.sample(seen, min(20, len(seen))):
+                    if os.pread(rfd, b - a, a) != data[a:b]:
+                        errors.append(("read", a, b))
+                        return
+        except BaseException as e:     # noqa: BLE001
+            errors.append(("read", k, e))
+        finally:
+            os.close(rfd)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
+    readers = [threading.Thread(target=reader, args=(k,)) for k in range(2)]
+    for t in threads + readers:
+        t.start()
+    for t in threads:
+        t.join(300)
+    stop.set()
+    for t in readers:
+        t.join(60)
+    os.close(fd)
+    assert not errors, errors[:3]
+    assert sum(len(w) for w in written) == len(pieces)
+    assert p.read_bytes() == data
+    mounted.remount()
+    assert p.read_bytes() == data
+
+
 def test_mmap_shared_readonly_and_private(mounted):
     data = rand_bytes(9 * MiB + 123, 13)
     p = mounted / "m"
