@@ -562,11 +562,17 @@ def test_a_full_device_keeps_every_acknowledged_write(make_image, mount_image, a
             except OSError as e:
                 close_errors.append(e.errno)
     assert err == errno.ENOSPC and not close_errors, (err, close_errors)
+    assert_acknowledged_after_remount(m, img, streams, acked)
+
+
+def assert_acknowledged_after_remount(m, img, streams: list[bytes], acked: list[int]) -> None:
+    """Most of the 128 MiB device was written; after a remount file ``f{k}`` holds exactly
+    the first ``acked[k]`` bytes of ``streams[k]``; fsck is clean."""
     assert sum(acked) >= 0.7 * 128 * MiB, acked
     m.remount()
-    for k in range(nfiles):
+    for k, stream in enumerate(streams):
         got = (m / f"f{k}").read_bytes()
-        assert len(got) == acked[k] and got == streams[k][:acked[k]], (k, len(got), acked)
+        assert len(got) == acked[k] and got == stream[:acked[k]], (k, len(got), acked)
     m.umount()
     assert_fsck_clean(img)
 
@@ -605,13 +611,7 @@ def test_writers_in_parallel_filling_the_device_keep_every_acknowledged_write(
     for t in threads:
         t.join()
     assert set(errs) <= {None, errno.ENOSPC} and errno.ENOSPC in errs, errs
-    assert sum(acked) >= 0.7 * 128 * MiB, acked
-    m.remount()
-    for k in range(nthreads):
-        got = (m / f"f{k}").read_bytes()
-        assert len(got) == acked[k] and got == streams[k][:acked[k]], (k, len(got), acked)
-    m.umount()
-    assert_fsck_clean(img)
+    assert_acknowledged_after_remount(m, img, streams, acked)
 
 
 @pytest.mark.parametrize("head", [100_000, 4095, 4097, 8192])
