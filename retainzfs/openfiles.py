@@ -110,6 +110,7 @@ class OpenFiles:
         buffer, and those ``Room.write_through_locked`` names, go through ``write``, which may
         flush."""
         s = self.s
+        self.room.refresh_medium()
         with s.lock:
             inode = s.ns.get_locked(ino)
             buf = inode.wbuf
@@ -153,6 +154,7 @@ class OpenFiles:
         drained = False
         while True:
             need_flush = False
+            self.room.refresh_medium()
             with s.lock:
                 inode = s.ns.get_locked(ino)
                 buf = inode.wbuf

@@ -14,26 +14,65 @@ and flush with none held (``OpenFiles.flush_data``).
 from __future__ import annotations
 
 import errno
+import time
+
+MiB = 1 << 20
+#: the host file system under an image is read again at most this often (a syscall)
+MEDIUM_EVERY = 0.2
+#: host space kept beyond the buffers: its own metadata for the image's new extents
+MEDIUM_MARGIN = 8 * MiB
 
 
 class Room:
     def __init__(self, store, files) -> None:
         self.s = store
         self.f = files           # OpenFiles: buffered, dirty_since, the flushes
+        # an image's host file system can fill before its zones do: (free bytes read,
+        # ``dev.bytes_written`` then) and when, or None on a medium that is the zones
+        self.medium: tuple[int, int] | None = None
+        self.medium_at = 0.0
+        self.watch_medium = store.dev.medium_free() is not None
+
+    def refresh_medium(self) -> None:
+        """Read the host file system's free space again when the last reading is older than
+        ``MEDIUM_EVERY`` (an image only; no lock held: a syscall).  Between readings
+        ``room_locked`` takes off what the device wrote since, so the estimate only errs
+        low (a reset's hole punch gives space back) -- except for what other programs
+        write to that file system meanwhile.  Any thread; ``medium`` is one tuple, replaced
+        whole, read under Store.lock by ``room_locked``."""
+        if not self.watch_medium:
+            return
+        now = time.monotonic()
+        if now - self.medium_at < MEDIUM_EVERY:
+            return
+        dev = self.s.dev
+        base = dev.bytes_written
+        free = dev.medium_free()
+        self.medium = None if free is None else (free, base)
+        self.medium_at = now
 
     def room_locked(self) -> int:
         """Bytes the write buffers may hold and still surely reach a zone: the empty zones
         beyond the GC reserve, less a zone for each file holding buffered bytes and one for
         the writer asking, up to the active-zone limit (each may open a zone of its own for a
         short flush: ZenFS keeps a file in its zone, isolate a generation; no more than that
-        limit are open at once).  The free tails of active zones are not counted (a policy
+        limit are open at once); and no more than an image's host file system can still take
+        (``refresh_medium``).  The free tails of active zones are not counted (a policy
         may not put these bytes there); they fill by the writes that go through.
         Store.lock held."""
         s = self.s
         spare = len(self.f.dirty_since) + 1
         if s.dev.max_active:
             spare = min(spare, s.dev.max_active)
-        return (s.alloc.empty_zones() - s.opts.gc_reserve - spare) * s.cap
+        room = (s.alloc.empty_zones() - s.opts.gc_reserve - spare) * s.cap
+        if self.medium is not None:
+            # an image whose host file system has less room than its empty zones: 17 MiB
+            # of acknowledged writes were dropped when the host filled (a 512 MiB image on
+            # an 80 MiB file system, three files); a padded block per file for the flushes
+            free, base = self.medium
+            room = min(room, free - (s.dev.bytes_written - base) - MEDIUM_MARGIN
+                       - spare * s.bs)
+        return room
 
     def write_through_locked(self, buf, n: int) -> bool:
         """A write that goes to a zone at once, so that it lands or fails with ENOSPC itself
