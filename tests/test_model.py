@@ -296,21 +296,17 @@ class _Fills:
     def write_big(self, name, off, n, fsync):
         self.write(name, off, n, fsync, 1)
 
-    #: MiB of the 32 MiB of data zones taken first: so that an example meets a full device
-    #: within a few steps, with room left to buffer before (at 20 every write already went
-    #: through, and no partial block stayed buffered near the end)
-    BALLAST = st.sampled_from([16, 20])
-
     #: bytes a log holds open from the start (before the ballast: while there is room to
     #: buffer them, so that a partial last block stays buffered)
     LOG_HEAD = st.sampled_from([1, 4095, 4097, 30_000])
 
-    def ballast(self, mib: int, log_head: int) -> None:
+    def ballast(self, log_head: int) -> None:
         """A log opened and written ``log_head`` bytes, held open (a training job's log, open
-        for the whole run); then ``mib`` MiB in one file the rules may rewrite, truncate or
-        delete."""
+        for the whole run); then 20 of the 32 MiB of data zones taken, in one file the rules
+        may rewrite, truncate or delete, so that every example meets a full device within a
+        few steps."""
         self.write_held("log-1", log_head, 1)
-        self.write("ballast", 0, mib << 20, True, 1)
+        self.write("ballast", 0, 20 << 20, True, 1)
 
 
 class FullStoreMachine(_Fills, StoreMachine):
@@ -321,10 +317,10 @@ class FullStoreMachine(_Fills, StoreMachine):
 
     size = 48 * MiB
 
-    @initialize(ballast=_Fills.BALLAST, log_head=_Fills.LOG_HEAD)
-    def start(self, ballast, log_head):
+    @initialize(log_head=_Fills.LOG_HEAD)
+    def start(self, log_head):
         StoreMachine.start(self)
-        self.ballast(ballast, log_head)
+        self.ballast(log_head)
 
     def b_write(self, name, pieces, fsync):
         ino = self._open(name)
@@ -355,7 +351,7 @@ def test_full_store_model(tmp_path):
     FullStoreMachine.path = str(tmp_path / "full.zns")
     FullStoreMachine.full = 0
     run_state_machine_as_test(FullStoreMachine, settings=settings(
-        max_examples=30, stateful_step_count=25, deadline=None,
+        max_examples=40, stateful_step_count=25, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
     assert FullStoreMachine.full > 0, "the device never filled: the model tested nothing"
 
@@ -431,8 +427,8 @@ class FullMountMachine(_Fills, MountMachine):
     workdir = None
     allocator = "retainz"
 
-    @initialize(ballast=_Fills.BALLAST, log_head=_Fills.LOG_HEAD)
-    def start(self, ballast, log_head):
+    @initialize(log_head=_Fills.LOG_HEAD)
+    def start(self, log_head):
         from conftest import Mount, mkfs
         FullMountMachine.counter += 1
         k = FullMountMachine.counter
@@ -441,7 +437,7 @@ class FullMountMachine(_Fills, MountMachine):
         self.mount = Mount(img, self.workdir / f"full{k}")
         self.mount.mount()
         self.dir = self.mount.path
-        self.ballast(ballast, log_head)
+        self.ballast(log_head)
 
     def teardown(self):
         try:
