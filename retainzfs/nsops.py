@@ -350,7 +350,8 @@ class NamespaceOps:
                 try:
                     H.parse_policy(s.hints.read_policy_file_locked(moving))
                 except H.HintError as e:
-                    log.error("rename onto %s/.retainz refused: %s", self.s.inodes.path_of(np_.ino), e)
+                    log.error("rename onto %s/.retainz refused: %s",
+                              s.inodes.path_of(np_.ino), e)
                     raise FsError(errno.EINVAL, str(e)) from None
             s.do_locked(R.RENAME, R.pack_json({"op": op.ino, "on": old_name.decode("latin-1"),
                                                "np": np_.ino, "nn": new_name.decode("latin-1"),
