@@ -502,6 +502,6 @@ def test_full_mount_model(tmp_path, allocator):
     FullMountMachine.allocator = allocator
     FullMountMachine.full = 0
     run_state_machine_as_test(FullMountMachine, settings=settings(
-        max_examples=8, stateful_step_count=25, deadline=None,
+        max_examples=12, stateful_step_count=25, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
     assert FullMountMachine.full > 0, "the device never filled: the model tested nothing"
