@@ -34,7 +34,7 @@ from ._alloc import Allocator
 from .csums import ZoneChecksums
 from .device import ZoneCond
 from .namespace import Inode
-from .nsops import ROOT_INO
+from .namespace import ROOT_INO
 
 log = logging.getLogger("retainzfs")
 INF = math.inf

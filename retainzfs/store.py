@@ -54,8 +54,8 @@ from .device import ZoneCond, ZonedDevice
 from .errors import FsError
 from .fsck import Fsck
 from . import namespace as NS
-from .namespace import Inode
-from .nsops import NAME_MAX, ROOT_INO, NamespaceOps, StoreHints
+from .namespace import ROOT_INO, Inode
+from .nsops import NAME_MAX, NamespaceOps, StoreHints
 from .xattrops import XattrOps
 from .openfiles import OpenFiles
 from .reclaim import Reclaim

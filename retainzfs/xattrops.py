@@ -13,7 +13,7 @@ from time import time_ns as now_ns
 
 from . import hints as H
 from .errors import FsError
-from .nsops import ROOT_INO
+from .namespace import ROOT_INO
 
 log = logging.getLogger("retainzfs")
 

@@ -261,11 +261,9 @@ class _Fills:
         pieces = [(len(cur) + i * n, _data(self.seed * 1000 + i, n)) for i in range(many)]
         self._apply(cur, _until_full(type(self), pieces, lambda off, d: self.h_write(h, off, d)))
 
-    @property
-    def held(self) -> dict:
-        if "_held" not in self.__dict__:
-            self._held = {}
-        return self._held
+    def __init__(self):
+        super().__init__()
+        self.held: dict = {}          # name -> handle of a file open across steps
 
     def release(self, *names) -> None:
         """Close the held descriptors of ``names`` (all of them if none): close never fails,
