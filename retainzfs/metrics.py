@@ -74,6 +74,9 @@ class StoreCollector:
         yield GaugeMetricFamily("retainzfs_metadata_full", "1 while new names are refused: "
                                 "the metadata zones hold no more",
                                 value=1.0 if st["metadata_full"] else 0.0)
+        yield GaugeMetricFamily("retainzfs_device_error", "1 after the device failed a flush "
+                                "or a metadata write: changes fail with EIO until a remount",
+                                value=1.0 if st.get("device_error") else 0.0)
         yield GaugeMetricFamily("retainzfs_buffered_bytes", "Bytes written to open files and "
                                 "not yet on the device (bounded by the dirty_bytes option)",
                                 value=float(st["buffered_bytes"]))

@@ -115,7 +115,8 @@ class OpenFiles:
             inode = s.ns.get_locked(ino)
             buf = inode.wbuf
             n = len(data)
-            if (n == 0 or inode.flush_err is not None or (buf and off != buf.end)
+            if (n == 0 or inode.flush_err is not None or s.failed is not None
+                    or (buf and off != buf.end)
                     or len(buf) - inode.inflight + n >= s.opts.flush_bytes
                     or self.buffered + n > s.opts.dirty_bytes
                     or self.room.write_through_locked(buf, n)):
@@ -156,6 +157,7 @@ class OpenFiles:
             need_flush = False
             self.room.refresh_medium()
             with s.lock:
+                s.check_failed_locked()
                 inode = s.ns.get_locked(ino)
                 buf = inode.wbuf
                 through = self.room.write_through_locked(buf, n)

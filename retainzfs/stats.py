@@ -149,6 +149,7 @@ class StoreStats:
                 "journal_bytes": s.journal.bytes_written,
                 "journal_rolls": s.journal.rolls,
                 "metadata_full": s.journal.tight,
+                "device_error": s.failed,
                 "buffered_bytes": s.files.buffered,
                 "commits": st["commits"], "p99_commit_ms": round(p99, 3),
                 "mean_alloc_us": (a["ns"] / a["places"] / 1000.0) if a.get("places") else 0.0,

@@ -244,6 +244,7 @@ class Store:
     def do_locked(self, rtype: int, payload: bytes):
         """Apply a record to memory and queue it in the journal (caller holds self.lock)."""
         assert self.lock._is_owned(), "do_locked without Store.lock"
+        self.check_failed_locked()
         res = self._apply(rtype, payload)
         self.journal.append(rtype, payload)
         if len(self.journal.pending) > (1 << 20):
@@ -348,6 +349,7 @@ class Store:
         ``mark``: with the proof of the last flush even if nothing else is queued."""
         assert self.io_lock._is_owned(), "journal_flush_iolocked without io_lock"
         with self.lock:
+            self.check_failed_locked()
             plan = self.journal.prepare(mark=mark)
             if plan is None and not sync:
                 return
@@ -374,15 +376,48 @@ class Store:
         before the flush, the flush covers; so do the records queued before it (the journal
         is told: ``Journal.note_flushed``)."""
         with self.lock:
+            self.check_failed_locked()
             g = self._wgen
             point = self.journal.flush_point()    # (the records queued so far: proven after)
-        self.dev.flush()
+        try:
+            self.dev.flush()
+        except OSError as e:
+            raise self.fail(f"device flush failed: {e.strerror or e}", e.errno) from None
         with self.lock:
             self._sgen = max(self._sgen, g)
             self.journal.note_flushed(point)
             if self.unsynced:
                 sg = self._sgen
                 self.unsynced = {i: w for i, w in self.unsynced.items() if w > sg}
+
+    @property
+    def failed(self) -> str | None:
+        """Why nothing more is written (a failed device flush or metadata write), or None."""
+        return self.journal.failed
+
+    def fail(self, why: str, err: int | None = errno.EIO) -> FsError:
+        """The device failed a flush: what was written since the last good one may not be on
+        the medium, and no later flush can vouch for it (a host file system reports a
+        writeback error once, then passes the next fsync: an image on ext4 over a thin
+        volume that ran out acknowledged an fsync after a failed one, and the file was gone
+        at the next mount).  So, as ext4 aborting its journal: from here every change
+        (write, close of a written file, fsync, create, unlink, setxattr) fails with EIO,
+        reads still work, ``status`` says why; a remount's recovery checks the writes no
+        flush proved.  The error to give the caller that met it (its own errno)."""
+        with self.lock:
+            first = self.journal.failed is None
+            if first:
+                self.journal.failed = why
+        if first:
+            log.error("%s: nothing more is written to %s; reads still work; unmount and "
+                      "mount again (recovery checks what no flush proved)", why, self.dev.path)
+        return FsError(err or errno.EIO, why)
+
+    def check_failed_locked(self) -> None:
+        """EIO once the device failed a flush or a metadata write (``fail``): a change
+        accepted now could never be made durable.  Store.lock held."""
+        if self.journal.failed is not None:
+            raise FsError(errno.EIO, f"read-only after a device error: {self.journal.failed}")
 
     def data_durable_locked(self, inode) -> bool:
         """No byte of the file waits in a buffer or for a device flush (Store.lock held)."""
@@ -468,11 +503,20 @@ class Store:
     def close(self) -> None:
         """Unmount: commit every buffered file, flush the journal, release the device."""
         for ino in [i.ino for i in self.inodes.values() if i.has_buffered()]:
+            if self.failed is not None:
+                break           # (said once below; a line per file is noise)
             try:
                 self.commit(ino, durable=False)
             except OSError as e:
                 log.error("unmount: could not commit inode %d: %s", ino, e)
         self.files.flusher.shutdown(wait=True)
         self.reads.ra.close()
-        self.sync()
-        self.dev.flush()
+        if self.failed is None:
+            try:
+                self.sync()
+                self.dev.flush()
+            except OSError as e:              # (sync's own flush already said so)
+                self.fail(f"device flush failed: {e.strerror or e}", e.errno)
+        if self.failed is not None:
+            log.error("unmounted after a device error (%s): what no flush proved is checked "
+                      "at the next mount", self.failed)

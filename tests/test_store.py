@@ -898,6 +898,61 @@ def test_a_failed_data_write_leaves_the_zone_writable_and_loses_nothing_committe
         dev.close()
 
 
+@pytest.mark.parametrize("first", [errno.EIO, errno.ENOSPC])
+def test_a_failed_device_flush_fails_every_later_change_until_a_remount(tmp_path, first):
+    """A host file system reports a writeback error to one fsync, then passes the next one
+    (the page it could not write is clean now): on a thin volume that ran out under an image,
+    a file acknowledged by the fsync after a failed one was gone at the next mount.  So a
+    failed device flush is final, as ext4 aborting its journal: the fsync that met it fails
+    with its errno, every later change with EIO (fsync, write, create, unlink, setxattr,
+    sync), reads still work, ``status`` says why, and a remount starts afresh with what was
+    proven.  Before, the second fsync returned 0."""
+    path, dev, s = fresh(tmp_path)
+    a_data = os.urandom(300_000)
+    a = put(s, 1, b"a", a_data)
+    real = dev.flush
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(first, "injected")
+        real()
+    dev.flush = flaky
+    ino = s.create(1, b"b", 0o644).ino
+    s.open(ino)
+    s.write(ino, 0, os.urandom(200_000))
+    with pytest.raises(OSError) as ei:
+        s.commit(ino, durable=True)
+    assert ei.value.errno == first
+    changes = [lambda: s.commit(ino, durable=True),
+               lambda: s.write(ino, 200_000, b"x" * 5000),
+               lambda: s.buffer_write(ino, 200_000, b"x") or s.write(ino, 200_000, b"x"),
+               lambda: s.create(1, b"c", 0o644),
+               lambda: s.unlink(1, b"a"),
+               lambda: s.setxattr(a, b"user.k", b"v"),
+               lambda: s.sync()]
+    for change in changes:
+        with pytest.raises(OSError) as ei:
+            change()
+        assert ei.value.errno == errno.EIO
+    assert "device flush failed" in s.status()["device_error"]
+    assert read_all(s, a) == a_data                 # reads still work
+    assert s.lookup(1, b"a").ino == a
+    s.release(ino)                                  # nothing new to write: no error
+    dev, s = reopen(path, dev, s)
+    try:
+        assert s.status()["device_error"] is None
+        assert read_all(s, s.lookup(1, b"a").ino) == a_data
+        with pytest.raises(OSError):
+            s.lookup(1, b"c")
+        put(s, 1, b"d", b"after")                   # writable again
+        assert s.check() == []
+    finally:
+        s.close()
+        dev.close()
+
+
 def test_a_background_flush_error_fails_the_next_write_before_it_is_taken(tmp_path):
     """A full buffer goes to its zone in the background; when that write fails (EIO here), the
     next write of the file reports the error and its bytes are not taken: the file's size does

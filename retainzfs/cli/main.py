@@ -118,6 +118,9 @@ def print_status(st: dict, path: str) -> None:
                                    f"after {tun['dirty_expire']:g} s (dirty_expire)")
     if st.get("capacity_stop"):
         t.add_row("capacity stop", f"yes ({st.get('enospc', 0)} ENOSPC)", style="red")
+    if st.get("device_error"):
+        t.add_row("device error", f"{st['device_error']}: changes fail with EIO until "
+                                  "unmounted and mounted again", style="red")
     if st.get("metadata_full"):
         t.add_row("metadata full", "yes: new names fail with ENOSPC until files are deleted "
                                    "(mkfs --meta-zones)", style="red")
