@@ -49,8 +49,11 @@ def _direct_write(flags: int, inode: Attrs) -> bool:
 
     Not for a set-user/group-ID file or one with file capabilities: clearing those on a write
     by an unprivileged process is done by that cached path (the FUSE write request names
-    no caller to check), and pjdfstest's chmod/12.t checks it."""
-    if flags & os.O_ACCMODE != os.O_WRONLY or inode.mode & (stat.S_ISUID | stat.S_ISGID):
+    no caller to check), and pjdfstest's chmod/12.t checks it.  Not with O_SYNC / O_DSYNC
+    either: that path sends an FSYNC after each write, the direct one does not (a write-only
+    O_DSYNC file, ``dd oflag=dsync``, was empty after a kill -9 of the daemon)."""
+    if (flags & os.O_ACCMODE != os.O_WRONLY or flags & os.O_DSYNC
+            or inode.mode & (stat.S_ISUID | stat.S_ISGID)):
         return False
     return not inode.caps
 

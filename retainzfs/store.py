@@ -199,6 +199,7 @@ class Store:
         self.reclaim = Reclaim(self)
         self.report = StoreStats(self)
         self.fsck = Fsck(self)
+        self._said_failed = False         # ``fail`` logged (once)
         self._wgen = 0                    # device writes so far ...
         self._sgen = 0                    # ... of which a device flush covers this many
         #: inode -> ``_wgen`` after its latest data write (Store.lock); entries a device flush
@@ -354,7 +355,15 @@ class Store:
             if plan is None and not sync:
                 return
             g = self._wgen       # data writes completed before the frame (and its flush)
-        self.journal.commit(plan, sync=sync)
+        try:
+            self.journal.commit(plan, sync=sync)
+        except OSError as e:
+            # A frame that did not land (the journal refuses writes from now on) or a flush
+            # that failed: final either way (``fail``), in words (io_lock held).
+            what = "write" if self.journal.failed is not None else "flush"
+            if not self._said_failed:
+                self.journal.failed = None
+            raise self.fail(f"metadata {what} failed: {e.strerror or e}", e.errno) from None
         # Counted only once written: a device flush on another thread (an fsync of another
         # file, a reset, the periodic sync: none holds io_lock) that read the count before
         # the frame was written must not pass for a flush of it.  Counting it first let an
@@ -405,9 +414,9 @@ class Store:
         reads still work, ``status`` says why; a remount's recovery checks the writes no
         flush proved.  The error to give the caller that met it (its own errno)."""
         with self.lock:
-            first = self.journal.failed is None
-            if first:
+            if self.journal.failed is None:
                 self.journal.failed = why
+            first, self._said_failed = not self._said_failed, True
         if first:
             log.error("%s: nothing more is written to %s; reads still work; unmount and "
                       "mount again (recovery checks what no flush proved)", why, self.dev.path)

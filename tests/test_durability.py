@@ -1278,6 +1278,28 @@ def test_unlinked_open_file_freed_after_kill9(mounted):
     assert_fsck_clean(mounted.img)
 
 
+@pytest.mark.parametrize("flags", ["O_WRONLY|O_DSYNC", "O_WRONLY|O_SYNC",
+                                   "O_WRONLY|O_APPEND|O_DSYNC", "O_RDWR|O_DSYNC"])
+def test_o_sync_and_o_dsync_writes_are_durable_when_they_return(mounted, flags):
+    """A write through an O_SYNC / O_DSYNC descriptor is durable when it returns (``dd
+    oflag=dsync``, databases, loggers that open so): the daemon is killed with the file still
+    open, and every written byte is there after the remount.  Before, a write-only such file
+    was empty (it was opened with FOPEN_DIRECT_IO, whose writes the kernel follows with no
+    FSYNC); read-write ones were whole."""
+    fl = 0
+    for name in flags.split("|"):
+        fl |= getattr(os, name)
+    rng = random.Random(flags)
+    pieces = [rng.randbytes(n) for n in (50_000, 3000, MiB + 7, 1)]
+    fd = os.open(mounted / "f", os.O_CREAT | fl, 0o644)
+    for p in pieces:
+        assert os.write(fd, p) == len(p)
+    kill_and_remount(mounted, os.fdopen(fd, "rb", buffering=0))   # (only closed)
+    assert (mounted / "f").read_bytes() == b"".join(pieces)
+    mounted.umount()
+    assert_fsck_clean(mounted.img)
+
+
 def test_corrupt_superblock_is_reported_not_reformatted(make_image, tmp_path):
     """A damaged superblock record is a one-line 'corrupt' error for mount/fsck, and mkfs
     refuses to erase it without --force (it must not advise running mkfs)."""

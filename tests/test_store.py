@@ -898,8 +898,10 @@ def test_a_failed_data_write_leaves_the_zone_writable_and_loses_nothing_committe
         dev.close()
 
 
-@pytest.mark.parametrize("first", [errno.EIO, errno.ENOSPC])
-def test_a_failed_device_flush_fails_every_later_change_until_a_remount(tmp_path, first):
+@pytest.mark.parametrize("what,first", [("device flush", errno.EIO),
+                                        ("device flush", errno.ENOSPC),
+                                        ("metadata write", errno.EIO)])
+def test_a_failed_device_flush_fails_every_later_change_until_a_remount(tmp_path, what, first):
     """A host file system reports a writeback error to one fsync, then passes the next one
     (the page it could not write is clean now): on a thin volume that ran out under an image,
     a file acknowledged by the fsync after a failed one was gone at the next mount.  So a
@@ -910,15 +912,25 @@ def test_a_failed_device_flush_fails_every_later_change_until_a_remount(tmp_path
     path, dev, s = fresh(tmp_path)
     a_data = os.urandom(300_000)
     a = put(s, 1, b"a", a_data)
-    real = dev.flush
     calls = []
+    if what == "device flush":
+        real = dev.flush
 
-    def flaky():
-        calls.append(1)
-        if len(calls) == 1:
-            raise OSError(first, "injected")
-        real()
-    dev.flush = flaky
+        def flaky():
+            calls.append(1)
+            if len(calls) == 1:
+                raise OSError(first, "injected")
+            real()
+        dev.flush = flaky
+    else:                                       # a journal frame's write
+        real_write = dev.write
+
+        def flaky(z, *a, **kw):
+            if z < s.sb.meta_zones and not calls:
+                calls.append(1)
+                raise OSError(first, "injected")
+            return real_write(z, *a, **kw)
+        dev.write = flaky
     ino = s.create(1, b"b", 0o644).ino
     s.open(ino)
     s.write(ino, 0, os.urandom(200_000))
@@ -936,7 +948,7 @@ def test_a_failed_device_flush_fails_every_later_change_until_a_remount(tmp_path
         with pytest.raises(OSError) as ei:
             change()
         assert ei.value.errno == errno.EIO
-    assert "device flush failed" in s.status()["device_error"]
+    assert f"{what} failed" in s.status()["device_error"]
     assert read_all(s, a) == a_data                 # reads still work
     assert s.lookup(1, b"a").ino == a
     s.release(ino)                                  # nothing new to write: no error
