@@ -25,7 +25,7 @@ from .namespace import ROOT_INO, Attrs, Inode
 log = logging.getLogger("retainzfs")
 
 NAME_MAX = 255
-RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+RENAME_NOREPLACE = 1
 
 
 def fmt_hint(h: float):
@@ -308,6 +308,8 @@ class NamespaceOps:
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
                flags: int = 0) -> None:
         s = self.s
+        if flags & ~RENAME_NOREPLACE:     # EXCHANGE, WHITEOUT (overlayfs): not done here; a
+            raise FsError(errno.EINVAL)   # WHITEOUT was a plain rename (no whiteout left)
         if not flags & RENAME_NOREPLACE:
             self._durable_before_replace(old_parent, old_name, new_parent, new_name)
         with s.lock:
@@ -318,8 +320,6 @@ class NamespaceOps:
             ino = op.entries.get(old_name)
             if ino is None:
                 raise FsError(errno.ENOENT)
-            if flags & RENAME_EXCHANGE:
-                raise FsError(errno.EINVAL)
             moving = s.inodes[ino]
             if moving.is_dir:        # refuse moving a directory below itself
                 a = np_

@@ -937,3 +937,28 @@ def test_hard_links(mounted):
     os.unlink(mounted / "c")
     os.unlink(mounted / "d" / "b")
     assert wait_live(mounted, 0)
+
+
+def _renameat2(a, b, flags: int) -> int:
+    """renameat(2) with flags: 0 or the errno."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    r = libc.renameat2(-100, os.fsencode(a), -100, os.fsencode(b), flags)
+    return 0 if r == 0 else ctypes.get_errno()
+
+
+def test_renameat2_flags(mounted):
+    """RENAME_NOREPLACE is done (EEXIST onto a name, a plain rename otherwise); EXCHANGE and
+    WHITEOUT are refused with EINVAL, so a program falls back, and nothing moves.  Before,
+    WHITEOUT was taken for a plain rename: the source vanished with no whiteout in its place
+    (overlayfs relies on it)."""
+    m = mounted
+    (m / "a").write_bytes(b"AAA")
+    (m / "b").write_bytes(b"BBBB")
+    assert _renameat2(m / "a", m / "b", 1) == errno.EEXIST
+    assert _renameat2(m / "a", m / "c", 1) == 0
+    for flags in (2, 4):                               # EXCHANGE, WHITEOUT
+        assert _renameat2(m / "c", m / "b", flags) == errno.EINVAL, flags
+    assert _renameat2(m / "c", m / "new", 4) == errno.EINVAL   # (EXCHANGE: ENOENT, the kernel's)
+    m.remount()
+    assert sorted(os.listdir(m.path)) == ["b", "c"]
+    assert (m / "b").read_bytes() == b"BBBB" and (m / "c").read_bytes() == b"AAA"
