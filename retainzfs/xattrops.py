@@ -17,6 +17,12 @@ from .namespace import ROOT_INO
 
 log = logging.getLogger("retainzfs")
 
+#: names and values of one inode's xattrs together: ENOSPC past it, as ext4 when they do not
+#: fit.  The inode's journal record carries them all at each change: 1,023 values of 64 KiB
+#: made it too large to journal (an internal error), and each set before that rewrote tens
+#: of MiB (0.25 s a call).
+XATTR_TOTAL_MAX = 1 << 20
+
 
 class XattrOps:
     def __init__(self, store):
@@ -44,6 +50,10 @@ class XattrOps:
                     raise FsError(errno.EINVAL, str(e)) from None
             if len(name) > 255 or len(value) > 65536:
                 raise FsError(errno.ERANGE)
+            total = sum(len(k) + len(v) for k, v in inode.xattrs.items() if k != name)
+            if total + len(name) + len(value) > XATTR_TOTAL_MAX:
+                raise FsError(errno.ENOSPC, f"xattrs of one file are limited to "
+                                            f"{XATTR_TOTAL_MAX} bytes")
             inode.set_xattr(name, bytes(value))
             inode.ctime = now_ns()
             self.s.ns.save_inode_locked(inode)
