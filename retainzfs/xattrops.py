@@ -22,6 +22,8 @@ log = logging.getLogger("retainzfs")
 #: made it too large to journal (an internal error), and each set before that rewrote tens
 #: of MiB (0.25 s a call).
 XATTR_TOTAL_MAX = 1 << 20
+#: and their number: the journal's inode entry counts them in a u16
+XATTR_COUNT_MAX = 0xFFFF
 
 
 class XattrOps:
@@ -51,9 +53,10 @@ class XattrOps:
             if len(name) > 255 or len(value) > 65536:
                 raise FsError(errno.ERANGE)
             total = sum(len(k) + len(v) for k, v in inode.xattrs.items() if k != name)
-            if total + len(name) + len(value) > XATTR_TOTAL_MAX:
+            if (total + len(name) + len(value) > XATTR_TOTAL_MAX
+                    or (name not in inode.xattrs and len(inode.xattrs) >= XATTR_COUNT_MAX)):
                 raise FsError(errno.ENOSPC, f"xattrs of one file are limited to "
-                                            f"{XATTR_TOTAL_MAX} bytes")
+                                            f"{XATTR_TOTAL_MAX} bytes, {XATTR_COUNT_MAX} names")
             inode.set_xattr(name, bytes(value))
             inode.ctime = now_ns()
             self.s.ns.save_inode_locked(inode)

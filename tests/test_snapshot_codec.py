@@ -250,3 +250,19 @@ def test_store_snapshot_roundtrip_and_flipped_byte_refused(tmp_path):
             p, old = olds[0]
             f.seek(p)
             f.write(old)
+
+
+def test_an_inode_entry_holds_the_most_xattrs_the_store_allows():
+    """The entry counts xattrs in a u16: ``XATTR_COUNT_MAX`` of them round-trip (the store
+    refuses one more with ENOSPC), and one more than the format holds is refused at packing,
+    never written wrapped."""
+    from retainzfs.xattrops import XATTR_COUNT_MAX, XATTR_TOTAL_MAX
+    xs = [(b"user.%05x" % i, b"") for i in range(XATTR_COUNT_MAX)]
+    assert sum(len(k) for k, _ in xs) <= XATTR_TOTAL_MAX          # reachable within the bytes
+    r = R.InodeRec((5, stat.S_IFREG | 0o644, 0, 0, 1, 0, 0, 0, 0, 0, 1), b"f", b"", xs,
+                   None, None, b"", [], [])
+    got = R.unpack_inode(R.pack_inode(r, with_tables=False))
+    assert list(got.xattrs) == xs
+    r.xattrs = xs + [(b"user.one-more", b"")]
+    with pytest.raises(Exception):
+        R.pack_inode(r, with_tables=False)

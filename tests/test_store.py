@@ -996,6 +996,35 @@ def test_a_background_flush_error_fails_the_next_write_before_it_is_taken(tmp_pa
     dev.close()
 
 
+def test_xattr_count_and_bytes_bounds_are_enospc(tmp_path, monkeypatch):
+    """Past ``XATTR_COUNT_MAX`` names (the journal's u16; lowered here: each set journals all
+    of a file's xattrs, so reaching 65,535 takes minutes) or ``XATTR_TOTAL_MAX`` bytes, a new
+    xattr is ENOSPC; replacing one is not a new name; what was set survives a remount."""
+    from retainzfs import xattrops
+    monkeypatch.setattr(xattrops, "XATTR_COUNT_MAX", 20)
+    path, dev, s = fresh(tmp_path)
+    a = put(s, 1, b"a", b"x")
+    for i in range(20):
+        s.setxattr(a, b"user.%02d" % i, b"v")
+    with pytest.raises(OSError) as ei:
+        s.setxattr(a, b"user.new", b"v")
+    assert ei.value.errno == errno.ENOSPC
+    s.setxattr(a, b"user.05", b"w" * 1000)                # a replace: not a new name
+    b = put(s, 1, b"b", b"y")
+    for i in range(15):
+        s.setxattr(b, b"user.%02d" % i, bytes([i]) * 65536)
+    with pytest.raises(OSError) as ei:
+        s.setxattr(b, b"user.15", bytes(65536))
+    assert ei.value.errno == errno.ENOSPC
+    dev, s = reopen(path, dev, s)
+    try:
+        assert len(s.listxattr(a)) == 20 and s.getxattr(a, b"user.05") == b"w" * 1000
+        assert len(s.listxattr(b)) == 15
+    finally:
+        s.close()
+        dev.close()
+
+
 def test_xattr_create_and_replace_are_decided_with_the_change(tmp_path):
     """XATTR_CREATE / XATTR_REPLACE (``fs.setxattr`` passes them as ``create`` / ``replace``)
     are checked under the store lock with the change itself: of 8 threads racing to create one
