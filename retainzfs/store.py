@@ -405,8 +405,8 @@ class Store:
         return self.journal.failed
 
     def fail(self, why: str, err: int | None = errno.EIO) -> FsError:
-        """The device failed a flush: what was written since the last good one may not be on
-        the medium, and no later flush can vouch for it (a host file system reports a
+        """The device failed a flush (or a metadata write): what was written since the last
+        good flush may not be on the medium, and no later flush can vouch for it (a host file system reports a
         writeback error once, then passes the next fsync: an image on ext4 over a thin
         volume that ran out acknowledged an fsync after a failed one, and the file was gone
         at the next mount).  So, as ext4 aborting its journal: from here every change
