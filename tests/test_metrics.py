@@ -18,7 +18,8 @@ NEEDED = {"retainzfs_zones", "retainzfs_live_bytes", "retainzfs_invalid_bytes",
           "retainzfs_gc_copied_bytes", "retainzfs_host_write_amplification",
           "retainzfs_commit_seconds", "retainzfs_enospc", "retainzfs_checksum_errors",
           "retainzfs_gc_aborted", "retainzfs_daemon_peak_resident_bytes",
-          "retainzfs_capacity_stop", "retainzfs_metadata_full", "retainzfs_buffered_bytes",
+          "retainzfs_capacity_stop", "retainzfs_metadata_full", "retainzfs_device_error",
+          "retainzfs_buffered_bytes",
           "retainzfs_io_buffer_pool_bytes", "retainzfs_io_buffer_live_bytes",
           "retainzfs_io_buffer_peak_live_bytes", "process_resident_memory_bytes",
           "process_cpu_seconds"}
@@ -82,6 +83,7 @@ def test_metrics_during_a_save(image, mount_image):
             if not s.labels.get("le")}
     assert hist["retainzfs_commit_seconds_count"] > 0
     assert fams["retainzfs_metadata_full"].samples[0].value == 0
+    assert fams["retainzfs_device_error"].samples[0].value == 0
     zones = {s.labels["condition"]: s.value for s in fams["retainzfs_zones"].samples}
     assert sum(zones.values()) == 256
     rss = fams["process_resident_memory_bytes"].samples[0].value

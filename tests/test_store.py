@@ -949,6 +949,9 @@ def test_a_failed_device_flush_fails_every_later_change_until_a_remount(tmp_path
             change()
         assert ei.value.errno == errno.EIO
     assert f"{what} failed" in s.status()["device_error"]
+    from retainzfs.metrics import StoreCollector
+    fams = {f.name: f for f in StoreCollector(s).collect()}
+    assert fams["retainzfs_device_error"].samples[0].value == 1
     assert read_all(s, a) == a_data                 # reads still work
     assert s.lookup(1, b"a").ino == a
     s.release(ino)                                  # nothing new to write: no error
