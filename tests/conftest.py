@@ -198,6 +198,28 @@ class Mount:
             subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
 
 
+def lazyfs_target(wdir, pc_size: str = "2G"):
+    """The fault campaign's power-cut target (``scripts/fault_campaign.py``: an image inside
+    LazyFS, ``setup``/``mount``/``crash``/``teardown``), not yet set up.  Skips without root
+    or ``../shared/suites`` (LazyFS); fails instead under CI=true."""
+    import argparse
+    import random
+    import sys
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    suites = repo.parent / "shared" / "suites"
+    if os.geteuid() != 0 or not (suites / "lazyfs.sh").exists():
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"needs root and LazyFS at {suites} (CI=true: the power cut must run)")
+        pytest.skip(f"needs root and LazyFS (third-party suites) at {suites}")
+    sys.path.insert(0, str(repo / "scripts"))
+    import fault_campaign as fc
+    args = argparse.Namespace(
+        suites=str(suites), seed=1, max_file=8 << 20, pc_size=pc_size, kill_size=None,
+        suites_out=os.environ.get("RETAINZFS_SUITES_CACHE", "/tmp/retainzfs-suites"))
+    fc.ensure_lazyfs(args)
+    return fc.Target("powercut", str(wdir), args, random.Random(1))
+
+
 @pytest.fixture
 def make_image(tmp_path):
     n = [0]

@@ -10,21 +10,17 @@ temporary name: its bytes are whole either way.  About 30 s on 2 cores.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
-import pathlib
 import random
 import subprocess
-import sys
 
 import pytest
+from conftest import lazyfs_target
 
 pytestmark = pytest.mark.campaign
 
 MiB = 1 << 20
-REPO = pathlib.Path(__file__).resolve().parents[1]
-SUITES = REPO.parent / "shared" / "suites"
 
 
 def _sha(path) -> str:
@@ -35,17 +31,7 @@ def _sha(path) -> str:
 @pytest.fixture
 def cut_target(tmp_path):
     """A retainzfs mount on an image inside LazyFS (the fault campaign's power-cut target)."""
-    if os.geteuid() != 0 or not (SUITES / "lazyfs.sh").exists():
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"needs root and LazyFS at {SUITES} (CI=true: the power cut must run)")
-        pytest.skip(f"needs root and LazyFS at {SUITES}")
-    sys.path.insert(0, str(REPO / "scripts"))
-    import fault_campaign as fc
-    args = argparse.Namespace(
-        suites=str(SUITES), seed=1, max_file=8 * MiB, pc_size="1G", kill_size=None,
-        suites_out=os.environ.get("RETAINZFS_SUITES_CACHE", "/tmp/retainzfs-suites"))
-    fc.ensure_lazyfs(args)
-    t = fc.Target("powercut", str(tmp_path / "pc"), args, random.Random(1))
+    t = lazyfs_target(tmp_path / "pc", pc_size="1G")
     try:
         t.setup()
         t.mount()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import pathlib
 import random
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import time
 import pytest
 
 if __name__ != "__main__":                # the storm process itself needs neither
-    from conftest import RETAINZFS, run
+    from conftest import RETAINZFS, lazyfs_target, run
 
 pytestmark = pytest.mark.campaign
 
@@ -265,20 +264,7 @@ def test_threads_changing_files_in_place_survive_a_power_cut(tmp_path):
     daemon, drop every byte the image's file system had not fsynced, kill the daemon and the
     storm, drop again): what was acknowledged is exactly what survives.  Needs
     ``../shared/suites`` (LazyFS)."""
-    import argparse
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    suites = repo.parent / "shared" / "suites"
-    if not (suites / "lazyfs.sh").exists():
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"LazyFS not found at {suites} (CI=true: the power cut must run)")
-        pytest.skip(f"LazyFS (third-party suites) not found at {suites}")
-    sys.path.insert(0, str(repo / "scripts"))
-    import fault_campaign as fc
-    args = argparse.Namespace(
-        suites=str(suites), seed=1, max_file=8 * MiB, pc_size="2G", kill_size=None,
-        suites_out=os.environ.get("RETAINZFS_SUITES_CACHE", "/tmp/retainzfs-suites"))
-    fc.ensure_lazyfs(args)
-    t = fc.Target("powercut", str(tmp_path / "pc"), args, random.Random(1))
+    t = lazyfs_target(tmp_path / "pc")
     journal = tmp_path / "storm.journal"
     try:
         t.setup()
