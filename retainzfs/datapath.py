@@ -124,6 +124,28 @@ class DataPath:
                 dev.close(victim)
         lru[zone] = None
 
+    def ensure_active_slot_iolocked(self, zone: int) -> None:
+        """Before a write opens an empty zone at the device's active-zone limit, wait for the
+        zones whose last bytes are still being written: the allocator counts a zone full
+        once its last bytes are placed, the device only once they land (outside io_lock, on
+        another thread).  Without the wait a GC copy opened a zone meanwhile and the
+        device refused it (EOVERFLOW, "too many active zones"), which reached a user's write
+        (ZenFS, a 64 MiB device kept nearly full while files were overwritten in place)."""
+        s = self.s
+        dev = s.dev
+        if not dev.max_active or dev.active_count() < dev.max_active:
+            return
+        if dev.zone(zone).cond != ZoneCond.EMPTY:
+            return
+        for z in range(s.meta_zones, dev.nr_zones):
+            if dev.active_count() < dev.max_active:
+                return
+            if dev.zone(z).is_active:
+                with s.lock:
+                    full = s.alloc.summary(z)["cond"] == "full"
+                if full:
+                    self.finish_zone_iolocked(z)    # waits for its writes; FULL by then
+
     def finish_zone_iolocked(self, z: int) -> None:
         s = self.s
         assert s.io_lock._is_owned(), "finish_zone_iolocked without io_lock"
@@ -337,6 +359,7 @@ class DataPath:
                     except FsError as e:
                         e.landed_end = off + pos    # the file bytes before it are in zones
                         raise
+                self.ensure_active_slot_iolocked(zone)
                 self.ensure_open_slot_iolocked(zone)
                 zoff = dev.reserve(zone, nbytes)
                 payload = min(nbytes, remaining)
