@@ -52,6 +52,7 @@ from .datapath import DataPath
 from .readpath import ReadPath
 from .device import ZoneCond, ZonedDevice
 from .errors import FsError
+from .failure import Failure
 from .fsck import Fsck
 from . import namespace as NS
 from .namespace import ROOT_INO, Inode
@@ -199,7 +200,7 @@ class Store:
         self.reclaim = Reclaim(self)
         self.report = StoreStats(self)
         self.fsck = Fsck(self)
-        self._said_failed = False         # ``fail`` logged (once)
+        self.failure = Failure(self)      # one-way: a failed flush or metadata write
         self._wgen = 0                    # device writes so far ...
         self._sgen = 0                    # ... of which a device flush covers this many
         #: inode -> ``_wgen`` after its latest data write (Store.lock); entries a device flush
@@ -355,15 +356,7 @@ class Store:
             if plan is None and not sync:
                 return
             g = self._wgen       # data writes completed before the frame (and its flush)
-        try:
-            self.journal.commit(plan, sync=sync)
-        except OSError as e:
-            # A frame that did not land (the journal refuses writes from now on) or a flush
-            # that failed: final either way (``fail``), in words (io_lock held).
-            what = "write" if self.journal.failed is not None else "flush"
-            if not self._said_failed:
-                self.journal.failed = None
-            raise self.fail(f"metadata {what} failed: {e.strerror or e}", e.errno) from None
+        self.failure.commit_journal(plan, sync)
         # Counted only once written: a device flush on another thread (an fsync of another
         # file, a reset, the periodic sync: none holds io_lock) that read the count before
         # the frame was written must not pass for a flush of it.  Counting it first let an
@@ -388,10 +381,7 @@ class Store:
             self.check_failed_locked()
             g = self._wgen
             point = self.journal.flush_point()    # (the records queued so far: proven after)
-        try:
-            self.dev.flush()
-        except OSError as e:
-            raise self.fail(f"device flush failed: {e.strerror or e}", e.errno) from None
+        self.failure.flush_device()
         with self.lock:
             self._sgen = max(self._sgen, g)
             self.journal.note_flushed(point)
@@ -399,34 +389,10 @@ class Store:
                 sg = self._sgen
                 self.unsynced = {i: w for i, w in self.unsynced.items() if w > sg}
 
-    @property
-    def failed(self) -> str | None:
-        """Why nothing more is written (a failed device flush or metadata write), or None."""
-        return self.journal.failed
-
-    def fail(self, why: str, err: int | None = errno.EIO) -> FsError:
-        """The device failed a flush (or a metadata write): what was written since the last
-        good flush may not be on the medium, and no later flush can vouch for it (a host file system reports a
-        writeback error once, then passes the next fsync: an image on ext4 over a thin
-        volume that ran out acknowledged an fsync after a failed one, and the file was gone
-        at the next mount).  So, as ext4 aborting its journal: from here every change
-        (write, close of a written file, fsync, create, unlink, setxattr) fails with EIO,
-        reads still work, ``status`` says why; a remount's recovery checks the writes no
-        flush proved.  The error to give the caller that met it (its own errno)."""
-        with self.lock:
-            if self.journal.failed is None:
-                self.journal.failed = why
-            first, self._said_failed = not self._said_failed, True
-        if first:
-            log.error("%s: nothing more is written to %s; reads still work; unmount and "
-                      "mount again (recovery checks what no flush proved)", why, self.dev.path)
-        return FsError(err or errno.EIO, why)
-
-    def check_failed_locked(self) -> None:
-        """EIO once the device failed a flush or a metadata write (``fail``): a change
-        accepted now could never be made durable.  Store.lock held."""
-        if self.journal.failed is not None:
-            raise FsError(errno.EIO, f"read-only after a device error: {self.journal.failed}")
+    # the one-way failed state (failure.py)
+    failed = property(lambda self: self.failure.why)
+    fail = _Via("failure")
+    check_failed_locked = _Via("failure", "check_locked")
 
     def data_durable_locked(self, inode) -> bool:
         """No byte of the file waits in a buffer or for a device flush (Store.lock held)."""
@@ -523,9 +489,10 @@ class Store:
         if self.failed is None:
             try:
                 self.sync()
-                self.dev.flush()
-            except OSError as e:              # (sync's own flush already said so)
-                self.fail(f"device flush failed: {e.strerror or e}", e.errno)
+                self.failure.flush_device()
+            except OSError:
+                if self.failed is None:
+                    raise
         if self.failed is not None:
             log.error("unmounted after a device error (%s): what no flush proved is checked "
                       "at the next mount", self.failed)

@@ -78,7 +78,12 @@ def test_a_dcp_save_is_whole_after_a_cut_right_after_it_returns(cut_target):
     the cut comes as save returns.  Every file it wrote is whole after the remount -- the
     ``.metadata`` perhaps still named ``.metadata.tmp`` (its rename is not fsynced by DCP) --
     and, under its final name, the checkpoint loads bit-exact."""
-    torch = pytest.importorskip("torch")
+    try:
+        import torch
+    except ImportError as e:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"torch is not installed ({e}); scripts/setup.sh installs it")
+        pytest.skip(f"torch is not installed ({e})")
     import torch.distributed.checkpoint as dcp
     t = cut_target
     g = torch.Generator().manual_seed(0)
