@@ -31,11 +31,12 @@ class Failure:
         return self.s.journal.failed
 
     def fail(self, why: str, err: int | None = errno.EIO) -> FsError:
-        """Enter the failed state (the first reason stays) and say so once; the error to
-        give the caller that met it (its own errno).  Any thread; takes Store.lock."""
+        """Enter the failed state and say so once (the first reason said stays; it replaces
+        the journal's own raw one); the error to give the caller that met it (its own
+        errno).  Any thread; takes Store.lock."""
         s = self.s
         with s.lock:
-            if s.journal.failed is None:
+            if not self.said or s.journal.failed is None:
                 s.journal.failed = why
             first, self.said = not self.said, True
         if first:
@@ -56,9 +57,7 @@ class Failure:
         try:
             s.journal.commit(plan, sync=sync)
         except OSError as e:
-            what = "write" if s.journal.failed is not None else "flush"
-            if not self.said:
-                s.journal.failed = None         # in words, below
+            what = "write" if s.journal.failed is not None else "flush"   # (its own mark)
             raise self.fail(f"metadata {what} failed: {e.strerror or e}", e.errno) from None
 
     def flush_device(self) -> None:
