@@ -15,7 +15,7 @@ reservations not yet passed.  Management commands (reset, finish, close: ``Zoned
 ``ZoneWrites`` is the write half of ``device.ZonedDevice`` (its base): it uses the zone
 table (``_wp``, ``_cond``, ``_cap``), the state machine (``_check_resources``,
 ``_set_cond``, ``_state_error``) and the backend hooks (``_io_write``, ``_io_mgmt``,
-``_persist``, ``_after_mgmt``) that class defines.
+``_persist``, ``_after_mgmt``, ``_opening``) that class defines.
 """
 from __future__ import annotations
 
@@ -104,6 +104,7 @@ class ZoneWrites:
         cond = self._check_write(zone, offset, n)
         if cond == _EMPTY:
             self._check_resources(zone, 1, 1)
+            self._opening(zone)
         elif cond == _CLOSED:
             self._check_resources(zone, 0, 1)
         if cond == _EMPTY or cond == _CLOSED:
