@@ -829,7 +829,14 @@ class ImageZonedDevice(ZonedDevice):
 
     def _io_write(self, zone: int, wp: int, data: Buffer, n: int) -> None:
         try:
-            self._io_write_host(zone, wp, data, n)
+            try:
+                self._io_write_host(zone, wp, data, n)
+            except OSError as e:
+                # the host filled before ``medium_free`` saw it: the empty zones' blocks the
+                # image held go back, and the write is tried once more
+                if e.errno != errno.ENOSPC or isinstance(e, FsError) or not self._give_back():
+                    raise
+                self._io_write_host(zone, wp, data, n)
         except OSError as e:
             if e.errno != errno.ENOSPC or isinstance(e, FsError):
                 raise
@@ -927,8 +934,7 @@ class ImageZonedDevice(ZonedDevice):
 
     def _opening(self, zone: int) -> None:
         # Its blocks allocated (unwritten: they read as zeros) before the writes come, and
-        # counted (``_alloc``) so that ``medium_free`` knows the zone's writes need no more
-        # host space.  ext4 takes the inode lock exclusively for an O_DIRECT write into a
+        # noted (``_alloc``: a tight host gets them back once the zone is empty).  ext4 takes the inode lock exclusively for an O_DIRECT write into a
         # hole until it completes (8 x 128 MiB of 4 MiB writes from 8 threads into one file:
         # 0.68-0.74 s into holes, 0.37-0.49 s into allocated blocks).  A host that cannot
         # allocate them says so at the write, as before.
@@ -938,17 +944,36 @@ class ImageZonedDevice(ZonedDevice):
             self._alloc.add(zone)
 
     def medium_free(self) -> int | None:
-        """What the image can still take: the host file system's free space, and the empty
-        zones whose blocks the image holds (a zone keeps its blocks from its opening on, and
-        past a reset while the host is roomy).  Zones emptied before this mount count as
-        holes (errs low)."""
+        """The host file system's free space.  Below a tenth of its size, the empty zones'
+        blocks the image held (``_opening``, a reset while roomy) go back to it first, so
+        that what is counted here is what the next zone's writes can take (held zones are
+        not where the allocator must write next: counting them let a file system filled,
+        emptied and filled again take a tenth as much the second time)."""
         try:
             st = os.fstatvfs(self._fd)
         except OSError:
             return None
-        cond, cap = self._cond, self._cap
-        held = sum(cap[z] for z in list(self._alloc) if cond[z] == _EMPTY)
-        return st.f_bavail * st.f_frsize + held
+        if st.f_bavail * 10 < st.f_blocks and self._give_back():
+            try:
+                st = os.fstatvfs(self._fd)
+            except OSError:
+                return None
+        return st.f_bavail * st.f_frsize
+
+    def _give_back(self) -> bool:
+        """Punch the empty zones whose blocks the image holds (the device lock keeps them
+        empty meanwhile: an opening takes it); True when there were any.  Not called with
+        the device lock held (zone writes on an image take none)."""
+        if not self._alloc:
+            return False
+        n = 0
+        with self._lock:
+            for z in list(self._alloc):
+                if self._cond[z] == _EMPTY and not self._pending[z]:
+                    self._alloc.discard(z)
+                    _punch_hole(self._fd, self._data_off + (z << self._zshift), self.zone_size)
+                    n += 1
+        return n > 0
 
     def keep_allocated(self, zones: range) -> int:
         """The metadata zones' blocks stay allocated in the image (``fallocate``, again after
