@@ -656,6 +656,21 @@ def _punch_hole(fd: int, off: int, length: int) -> bool:
     return _fallocate(fd, _FALLOC_PUNCH_HOLE | _FALLOC_KEEP_SIZE, off, length) == 0
 
 
+_FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_NOCOW_FL = 0x80086601, 0x40086602, 0x00800000
+
+
+def _set_nocow(fd: int) -> None:
+    """``chattr +C`` on a new (empty) image: on a copy-on-write host (btrfs) an overwrite of
+    the blocks the image holds (the metadata zones', fallocated to be sure of their room)
+    takes new space unless the file is NOCOW, so a full host failed the journal and every
+    unlink after it with EIO.  Ignored where there is no such flag (ext4, xfs, tmpfs)."""
+    try:
+        flags = struct.unpack("i", fcntl.ioctl(fd, _FS_IOC_GETFLAGS, b"\0" * 4))[0]
+        fcntl.ioctl(fd, _FS_IOC_SETFLAGS, struct.pack("i", flags | _FS_NOCOW_FL))
+    except OSError:
+        pass
+
+
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
@@ -1066,6 +1081,7 @@ def create_image(path: str | os.PathLike[str], size: int, zone_size: int,
         hdr += _CRC.pack(_crc32c.crc32c(hdr))
         try:
             os.ftruncate(fd, 0)
+            _set_nocow(fd)
             os.ftruncate(fd, data_off + nr * zone_size)      # sparse
             os.pwrite(fd, hdr.ljust(_HEADER_BLOCK, b"\0"), 0)
             os.pwrite(fd, _ENTRY.pack(0, _EMPTY) * nr, table_off)
