@@ -1409,6 +1409,12 @@ class BlockZonedDevice(ZonedDevice):
 
 # ======================================================================================
 
+def unescape_mount_field(field: str) -> str:
+    """A path as ``/proc/mounts`` and ``mountinfo`` print it, octal escapes (``\\040`` a
+    space, ``\\011``, ``\\012``, ``\\134`` a backslash) decoded."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
 def mountinfo() -> list[tuple[str, str, str]]:
     """(``major:minor``, mount point, file system type) of each mount this process sees
     (``/proc/self/mountinfo``; mount points unescaped); [] when it cannot be read."""
@@ -1419,7 +1425,7 @@ def mountinfo() -> list[tuple[str, str, str]]:
                 left, _, right = line.partition(" - ")
                 parts = left.split()
                 if len(parts) > 4 and right:
-                    rows.append((parts[2], parts[4].replace("\\040", " "), right.split()[0]))
+                    rows.append((parts[2], unescape_mount_field(parts[4]), right.split()[0]))
     except OSError:
         pass
     return rows

@@ -309,7 +309,11 @@ def unmount() -> None:
 
 
 def fuse_options(fsname: str, extra: list[str] | None = None) -> set[str]:
-    opts = {"default_permissions", f"fsname={fsname}", "subtype=retainzfs"}
+    """libfuse's ``-o`` options; the device path escaped for its option parser, which splits
+    at commas and takes a backslash as an escape (an image named ``ckpt,1.zns`` failed the
+    mount with "fuse_session_new() failed")."""
+    name = fsname.replace("\\", "\\\\").replace(",", "\\,")
+    opts = {"default_permissions", f"fsname={name}", "subtype=retainzfs"}
     for o in extra or []:
         opts.add(o)
     return opts

@@ -334,6 +334,34 @@ def test_bad_mount_options_one_line_before_fork(image, tmp_path, opt, needle):
     assert not is_mounted(mnt)
 
 
+@pytest.mark.parametrize("name", ["ck pt,1.zns", "a\\b\tc.zns"], ids=["space+comma", "backslash+tab"])
+def test_device_and_mount_paths_with_commas_spaces_and_escapes(tmp_path, name):
+    """An image named ``ck pt,1.zns`` failed to mount ("fuse_session_new() failed": libfuse
+    splits its ``fsname=`` option at commas), and ``retainzfs status`` of a mount point with a
+    space said it was no retainzfs mount (``/proc/mounts`` prints it as ``\\040``).  Both by
+    ``mount.retainzfs`` and ``mount -t fuse.retainzfs``."""
+    from conftest import MKFS
+    img = tmp_path / name
+    mnt = tmp_path / "m ,x\\y"
+    mnt.mkdir()
+    run(MKFS, "--size", "256M", "--zone-size", "4M", "--quiet", img)
+    for argv in ([MOUNT, img, mnt], ["mount", "-t", "fuse.retainzfs", img, mnt]):
+        run(*argv)
+        try:
+            (mnt / "a").write_bytes(b"hello")
+            for what in (mnt, img):
+                st = json.loads(run(RETAINZFS, "status", what, "--json").stdout)
+                assert st["files"] >= 1, st
+        finally:
+            run("umount", mnt)
+        assert not is_mounted(mnt)
+    run(MOUNT, img, mnt)
+    try:
+        assert (mnt / "a").read_bytes() == b"hello"
+    finally:
+        run("umount", mnt)
+
+
 # ------------------------------------------------------------------ 8. .retainz
 def _hint(path) -> dict:
     return json.loads(xattr.getxattr(path, H.XATTR_HINT))

@@ -6,6 +6,7 @@ import re
 import sys
 from typing import NoReturn
 
+from ..device import unescape_mount_field
 from ..superblock import MIN_META_ZONES
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -31,8 +32,9 @@ def find_mount_of(target: str) -> str | None:
         with open("/proc/mounts") as f:
             for line in f:
                 src, mnt, fstype = line.split()[:3]
-                if fstype == "fuse.retainzfs" and os.path.realpath(src.replace("\\040", " ")) == real:
-                    return mnt.replace("\\040", " ")
+                if (fstype == "fuse.retainzfs"
+                        and os.path.realpath(unescape_mount_field(src)) == real):
+                    return unescape_mount_field(mnt)
     except OSError:
         pass
     return None
@@ -42,7 +44,8 @@ def is_retainzfs_mount(path: str) -> bool:
     real = os.path.realpath(path)
     try:
         with open("/proc/mounts") as f:
-            return any(line.split()[1] == real and line.split()[2] == "fuse.retainzfs" for line in f)
+            return any(unescape_mount_field(line.split()[1]) == real
+                       and line.split()[2] == "fuse.retainzfs" for line in f)
     except OSError:
         return False
 
