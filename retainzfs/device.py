@@ -925,8 +925,8 @@ class ImageZonedDevice(ZonedDevice):
                 # zeros in the image's own blocks, kept as a device keeps its flash: the
                 # next checkpoint's writes go to blocks the host has, not to space it just
                 # discarded (this VM's disk, ext4 with ``discard`` over thin provisioning:
-                # 8 writers of 1 GiB right after a 1 GiB file was deleted took 0.86-1.10 s
-                # into punched zones, 0.63-0.79 s into kept ones)
+                # bench_io's 8 writers of 1 GiB right after a 1 GiB file was deleted took
+                # 1.05-1.15 s into punched zones, 0.60-0.70 s into kept ones)
                 if zone not in self._kept:
                     self._alloc.add(zone)
                 return
@@ -949,10 +949,11 @@ class ImageZonedDevice(ZonedDevice):
 
     def _opening(self, zone: int) -> None:
         # Its blocks allocated (unwritten: they read as zeros) before the writes come, and
-        # noted (``_alloc``: a tight host gets them back once the zone is empty).  ext4 takes the inode lock exclusively for an O_DIRECT write into a
-        # hole until it completes (8 x 128 MiB of 4 MiB writes from 8 threads into one file:
-        # 0.68-0.74 s into holes, 0.37-0.49 s into allocated blocks).  A host that cannot
-        # allocate them says so at the write, as before.
+        # noted (``_alloc``: a tight host gets them back once the zone is empty).  ext4
+        # takes the inode lock exclusively for an O_DIRECT write into a hole until it
+        # completes (8 x 128 MiB of 4 MiB writes from 8 threads into one file: 0.68-0.74 s
+        # into holes, 0.37-0.49 s into allocated blocks).  A host that cannot allocate them
+        # says so at the write, as before.
         if zone not in self._kept and zone not in self._alloc and not _fallocate(
                 self._fd, _FALLOC_KEEP_SIZE, self._data_off + (zone << self._zshift),
                 self._cap[zone]):
@@ -991,8 +992,8 @@ class ImageZonedDevice(ZonedDevice):
         return n > 0
 
     def keep_allocated(self, zones: range) -> int:
-        """The metadata zones' blocks stay allocated in the image (``fallocate``, again after
-        each reset's hole punch): on a host file system that fills up, a journal frame would
+        """The metadata zones' blocks stay allocated in the image (``fallocate``; a reset
+        zeroes them in place, or punches and allocates them again): on a host file system that fills up, a journal frame would
         otherwise fail for want of host space, and the journal refuses every write after a
         failed one (a 512 MiB image on an 80 MiB tmpfs: every unlink then failed with EIO)."""
         self._kept = frozenset(zones)
