@@ -459,11 +459,37 @@ def _bars(ax, names, stats, color):
 # --------------------------------------------------------------------------- driver
 
 def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x.strip()]
+    """``--loads``: peak loads in (0, 1), comma-separated (argparse type: a bad one is a
+    usage error, not a traceback)."""
+    try:
+        out = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {s!r}")
+    if not out or any(not 0 < x < 1 for x in out):
+        raise argparse.ArgumentTypeError(f"loads must be in (0, 1): {s!r}")
+    return out
+
+
+def _positive(s: str) -> int:
+    """A count of at least 1 (argparse type)."""
+    try:
+        n = int(s)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1: {s!r}")
+    return n
 
 
 def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
+    """``--seeds``, ``--placement-seeds``: comma-separated integers (argparse type)."""
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {s!r}")
+    if not out:
+        raise argparse.ArgumentTypeError("an empty list")
+    return out
 
 
 def sweep(cases: list[dict], out: str, jobs: int = 2, resume: bool = False,
@@ -534,17 +560,18 @@ def write_outputs(runs: list[dict], out: str, meta: dict) -> dict:
 
 
 def add_sweep_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--loads", default=None, help="comma-separated peak loads "
+    p.add_argument("--loads", type=_floats, default=None, help="comma-separated peak loads "
                    f"(default {','.join(map(str, DEFAULT_LOADS))})")
-    p.add_argument("--seeds", default=None, help="comma-separated seeds (default 1,2,3)")
+    p.add_argument("--seeds", type=_ints, default=None,
+                   help="comma-separated seeds (default 1,2,3)")
     p.add_argument("--policies", default=None,
                    help=f"pressure-sweep policies (default {','.join(DEFAULT_POLICIES)})")
-    p.add_argument("--placement-seeds", default=None,
+    p.add_argument("--placement-seeds", type=_ints, default=None,
                    help="seeds of the placement table and small-checkpoint rows "
                         "(default 1,2,3,4,5: the paper's five matched inputs)")
-    p.add_argument("--jobs", type=int, default=2, help="parallel replays (default 2)")
+    p.add_argument("--jobs", type=_positive, default=2, help="parallel replays (default 2)")
     p.add_argument("--out", default="results/sweep", help="output directory")
-    p.add_argument("--saves", type=int, default=None,
+    p.add_argument("--saves", type=_positive, default=None,
                    help="saves per trace (default 250; --quick: 40)")
     p.add_argument("--no-sensitivity", action="store_true",
                    help="only the pressure sweep and the common-admission control")
@@ -580,16 +607,16 @@ def run_sweep(args: argparse.Namespace) -> int:
         print("figures: " + ", ".join(out["figures"]), file=sys.stderr)
         return 0
     if args.quick:
-        loads = _floats(args.loads) if args.loads else [0.84, 0.90]
-        seeds = _ints(args.seeds) if args.seeds else [1]
+        loads = args.loads or [0.84, 0.90]
+        seeds = args.seeds or [1]
         policies = args.policies.split(",") if args.policies else ["retainz", "zenfs"]
-        pseeds = _ints(args.placement_seeds) if args.placement_seeds else [1]
+        pseeds = args.placement_seeds or [1]
         saves = args.saves or 40
     else:
-        loads = _floats(args.loads) if args.loads else list(DEFAULT_LOADS)
-        seeds = _ints(args.seeds) if args.seeds else [1, 2, 3]
+        loads = args.loads or list(DEFAULT_LOADS)
+        seeds = args.seeds or [1, 2, 3]
         policies = args.policies.split(",") if args.policies else list(DEFAULT_POLICIES)
-        pseeds = _ints(args.placement_seeds) if args.placement_seeds else [1, 2, 3, 4, 5]
+        pseeds = args.placement_seeds or [1, 2, 3, 4, 5]
         saves = args.saves
     from ._alloc import POLICIES
     bad = [p for p in policies if p not in POLICIES]

@@ -193,3 +193,19 @@ def test_sweep_quick_writes_table_and_figures(tmp_path):
             assert (out / f"{name}.{ext}").stat().st_size > 1000
     res = json.loads((out / "results.json").read_text())
     assert len(res["runs"]) == 9 and not any("error" in r for r in res["runs"])
+
+
+@pytest.mark.parametrize("arg,needle", [
+    (["--loads", "abc"], "--loads"), (["--loads", "5"], "(0, 1)"), (["--loads", ","], "--loads"),
+    (["--seeds", "x"], "--seeds"), (["--placement-seeds", "1,b"], "--placement-seeds"),
+    (["--jobs", "0"], "--jobs"), (["--saves", "-3"], "--saves"),
+])
+def test_sweep_bad_arguments_are_a_usage_error_not_a_traceback(tmp_path, arg, needle):
+    """``sweep --loads abc`` ended in a ValueError traceback; ``--loads 5`` and ``--saves -3``
+    ran every replay to a failure.  Now argparse refuses them: exit 2, its error line."""
+    p = subprocess.run([sys.executable, "-m", "retainzfs.cli.main", "sweep", "--quick",
+                        "--out", str(tmp_path / "sweep"), *arg],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr and needle in p.stderr.splitlines()[-1], p.stderr
+    assert not (tmp_path / "sweep").exists()
