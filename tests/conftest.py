@@ -12,6 +12,7 @@ done); on failure ``fusermount3 -uz`` and SIGKILL of the daemon we started (by p
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -196,6 +197,23 @@ class Mount:
                 wait_for(lambda: not _alive(pid), 5)
         if is_mounted(self.path):
             subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+
+
+@contextlib.contextmanager
+def tmpfs(path, size: str):
+    """A tmpfs of ``size`` mounted at ``path`` (created) for the block: a host file system
+    that fills.  Needs root: skipped without it, failed under CI=true."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("a tmpfs mount needs root (CI=true: this test must run)")
+        pytest.skip("a tmpfs mount needs root")
+    path = pathlib.Path(path)
+    path.mkdir()
+    run("mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 def lazyfs_target(wdir, pc_size: str = "2G"):
