@@ -843,6 +843,14 @@ def test_a_thin_volume_running_out_under_the_image_loses_no_acknowledged_file(th
     assert len(said) == 1, said
 
 
+def write_fsynced(path, data: bytes) -> None:
+    """Write a whole file, flush Python's buffer, fsync: what a careful program does."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def fill_host(m, rng: random.Random, tag: str, limit: int = 400) -> dict:
     """Files ``{tag}{i}`` of 100,000 B, 1 MiB or 3 MiB, each written, flushed and fsynced,
     until one fails with ENOSPC (removed, if it is there): name -> (sha256, length) of the
@@ -852,10 +860,7 @@ def fill_host(m, rng: random.Random, tag: str, limit: int = 400) -> dict:
         data = rng.randbytes(rng.choice([100_000, MiB, 3 * MiB]))
         name = f"{tag}{i}"
         try:
-            with open(m / name, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            write_fsynced(m / name, data)
         except OSError as e:
             assert e.errno == errno.ENOSPC, e
             if (m / name).exists():
@@ -1428,10 +1433,7 @@ def test_kill_9_while_gc_runs_on_a_nearly_full_device_keeps_every_fsynced_file(
                 data = rng.randbytes(rng.choice([4097, 100_000, 700_000, MiB,
                                                  rng.randrange(1, 2 * MiB)]))
                 try:
-                    with open(m / name, "wb") as f:
-                        f.write(data)
-                        f.flush()
-                        os.fsync(f.fileno())
+                    write_fsynced(m / name, data)
                 except OSError as e:
                     if e.errno != errno.ENOSPC:
                         raise
