@@ -865,7 +865,7 @@ class ImageZonedDevice(ZonedDevice):
         self._host_full = False
 
     def _io_write_host(self, zone: int, wp: int, data: Buffer, n: int) -> None:
-        off = self._data_off + (zone << self._zshift) + wp
+        off = self._zone_off(zone) + wp
         if self._dio is not None and n >= _IMAGE_DIRECT_MIN:
             self._dio.pwrite(off, data, n)
             return
@@ -882,7 +882,7 @@ class ImageZonedDevice(ZonedDevice):
                 done += w
 
     def _io_read(self, zone: int, offset: int, length: int) -> bytes:
-        off = self._data_off + (zone << self._zshift) + offset
+        off = self._zone_off(zone) + offset
         if self._dio is not None and length >= _IMAGE_DIRECT_MIN:
             return self._dio.pread(off, length)
         data = os.pread(self._fd, length, off)
@@ -905,7 +905,7 @@ class ImageZonedDevice(ZonedDevice):
     def _io_read_view(self, zone: int, offset: int, length: int) -> Buffer:
         if length < _IMAGE_DIRECT_MIN:      # small: the page cache may hold it (small writes)
             return self._io_read(zone, offset, length)
-        return self._dio.pread_view(self._data_off + (zone << self._zshift) + offset, length)
+        return self._dio.pread_view(self._zone_off(zone) + offset, length)
 
     def _io_mgmt(self, op: str, zone: int) -> None:
         pass                                # the table entry written by _persist is the command
@@ -919,7 +919,7 @@ class ImageZonedDevice(ZonedDevice):
         # Done after the table entry so a crash in between leaves stale bytes past wp = 0,
         # never a zone whose committed data vanished.
         if op == _OP_RESET:
-            off = self._data_off + (zone << self._zshift)
+            off = self._zone_off(zone)
             if (zone in self._kept or self._host_roomy()) and _fallocate(
                     self._fd, _FALLOC_ZERO_RANGE | _FALLOC_KEEP_SIZE, off, self.zone_size) == 0:
                 # zeros in the image's own blocks, kept as a device keeps its flash: the
@@ -938,14 +938,26 @@ class ImageZonedDevice(ZonedDevice):
             elif zone in self._kept:        # zeros again, still the image's own blocks
                 _fallocate(self._fd, _FALLOC_KEEP_SIZE, off, self.zone_size)
 
-    def _host_roomy(self) -> bool:
-        """The host file system has a tenth of its size free: a reset zone keeps its blocks;
-        below that it gives them back (a hole), as every reset did before."""
+    def _host_stat(self):
+        """``fstatvfs`` of the host file system, or None when it cannot be read."""
         try:
-            st = os.fstatvfs(self._fd)
+            return os.fstatvfs(self._fd)
         except OSError:
-            return False
+            return None
+
+    @staticmethod
+    def _roomy(st) -> bool:
+        """A tenth of the host file system is free: a reset zone keeps its blocks, and the
+        empty zones the image holds may stay held (below that they go back)."""
         return st.f_bavail * 10 >= st.f_blocks
+
+    def _host_roomy(self) -> bool:
+        st = self._host_stat()
+        return st is not None and self._roomy(st)
+
+    def _zone_off(self, zone: int) -> int:
+        """Where the zone's data start in the image file."""
+        return self._data_off + (zone << self._zshift)
 
     def _opening(self, zone: int) -> None:
         # Its blocks allocated (unwritten: they read as zeros) before the writes come, and
@@ -958,7 +970,7 @@ class ImageZonedDevice(ZonedDevice):
         # that may never need them (it holds no data yet).
         if zone in self._kept or zone in self._alloc:
             return
-        off = self._data_off + (zone << self._zshift)
+        off = self._zone_off(zone)
         if _fallocate(self._fd, _FALLOC_KEEP_SIZE, off, self._cap[zone]) == 0:
             self._alloc.add(zone)
         else:
@@ -970,16 +982,10 @@ class ImageZonedDevice(ZonedDevice):
         that what is counted here is what the next zone's writes can take (held zones are
         not where the allocator must write next: counting them let a file system filled,
         emptied and filled again take a tenth as much the second time)."""
-        try:
-            st = os.fstatvfs(self._fd)
-        except OSError:
-            return None
-        if st.f_bavail * 10 < st.f_blocks and self._give_back():
-            try:
-                st = os.fstatvfs(self._fd)
-            except OSError:
-                return None
-        return st.f_bavail * st.f_frsize
+        st = self._host_stat()
+        if st is not None and not self._roomy(st) and self._give_back():
+            st = self._host_stat()
+        return None if st is None else st.f_bavail * st.f_frsize
 
     def _give_back(self) -> bool:
         """Punch the empty zones whose blocks the image holds (the device lock keeps them
@@ -992,7 +998,7 @@ class ImageZonedDevice(ZonedDevice):
             for z in list(self._alloc):
                 if self._cond[z] == _EMPTY and not self._pending[z]:
                     self._alloc.discard(z)
-                    _punch_hole(self._fd, self._data_off + (z << self._zshift), self.zone_size)
+                    _punch_hole(self._fd, self._zone_off(z), self.zone_size)
                     n += 1
         return n > 0
 
@@ -1003,7 +1009,7 @@ class ImageZonedDevice(ZonedDevice):
         failed one (a 512 MiB image on an 80 MiB tmpfs: every unlink then failed with EIO)."""
         self._kept = frozenset(zones)
         for z in zones:
-            err = _fallocate(self._fd, _FALLOC_KEEP_SIZE, self._data_off + (z << self._zshift),
+            err = _fallocate(self._fd, _FALLOC_KEEP_SIZE, self._zone_off(z),
                              self.zone_size)
             if err:
                 return err
