@@ -16,6 +16,13 @@ and for retainzfs the daemon's CPU seconds per GiB moved and its peak RSS.
     python3 scripts/bench_dcp.py                    # 1 GiB, thread_count 1 and 4, 3 rounds
     python3 scripts/bench_dcp.py --size 200M --rounds 5 --json
     python3 scripts/bench_dcp.py -o readahead_kb=8192     # a mount option on the retainzfs side
+    python3 scripts/bench_dcp.py --ceiling                # and on the least FUSE daemon can do
+
+``--ceiling`` adds a third side: ``scripts/nullfs_mt.c`` given a backing directory on the same
+disk (C, libfuse's multi-threaded loop, each file's bytes in a host file read through the
+host's page cache, no placement, journal or checksum; the mount's ``read_ahead_kb`` 4096 as
+retainzfs sets it).  Its ratio to the plain directory is how close any FUSE daemon storing
+file data in host files gets here: a floor for retainzfs's ratio, not a target.
 """
 from __future__ import annotations
 
@@ -68,10 +75,32 @@ def one_round(root: str, state: dict, target: dict, threads: int, pid: int | Non
     return {"save_s": save_s, "load_s": load_s, "save_cpu": c1 - c0, "load_cpu": c2 - c1}
 
 
+def passthrough_round(exe: str, work: str, state: dict, target: dict, threads: int) -> dict:
+    """``one_round`` on a fresh C passthrough FUSE mount whose files live in ``work``."""
+    from retainzfs.cli.mount import _set_readahead
+    mnt, back = os.path.join(work, "c_mnt"), os.path.join(work, "c_back")
+    os.makedirs(mnt, exist_ok=True)
+    os.makedirs(back, exist_ok=True)
+    p = subprocess.Popen([exe, mnt, back], stdout=subprocess.PIPE, text=True)
+    try:
+        if p.stdout.readline().strip() != "OK":
+            raise SystemExit(f"bench_dcp: {exe} did not mount")
+        os.stat(mnt)                        # answered after FUSE INIT: the readahead sticks
+        _set_readahead(mnt, 4096)
+        return one_round(mnt, state, target, threads, p.pid)
+    finally:
+        subprocess.run(["umount", mnt], check=False)
+        p.wait(timeout=30)
+        shutil.rmtree(back, ignore_errors=True)
+        time.sleep(0.5)
+
+
 def main() -> int:
     ap = bench_parser(__doc__)            # --size --rounds --workdir --json -o, as bench_io
     ap.set_defaults(size="1G", rounds=3)
     ap.add_argument("--threads", default="1,4", help="FileSystemWriter thread_count values")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also measure a C passthrough FUSE file system (scripts/nullfs_mt.c)")
     a = ap.parse_args()
     import warnings
     warnings.filterwarnings("ignore")
@@ -86,14 +115,26 @@ def main() -> int:
     img, mnt, plain = (os.path.join(work, n) for n in ("img.zns", "mnt", "plain"))
     os.makedirs(mnt)
     os.makedirs(plain)
-    res = {(k, t): [] for k in ("retainzfs", "plain") for t in threads}
+    kinds = ["retainzfs", "plain"]
+    exe = None
+    if a.ceiling:
+        from bench_fuse_ceiling import build_c
+        exe = build_c(work)
+        if exe is None:
+            raise SystemExit("bench_dcp: --ceiling needs cc and libfuse3-dev (scripts/setup.sh)")
+        kinds.append("c_pass")
+    res = {(k, t): [] for k in kinds for t in threads}
     rss = 0
     try:
         for r in range(a.rounds):
-            for kind in (("retainzfs", "plain") if r % 2 == 0 else ("plain", "retainzfs")):
+            for kind in (kinds if r % 2 == 0 else kinds[::-1]):
                 if kind == "plain":
                     for t in threads:
                         res[(kind, t)].append(one_round(plain, state, target, t, None))
+                    continue
+                if kind == "c_pass":
+                    for t in threads:
+                        res[(kind, t)].append(passthrough_round(exe, work, state, target, t))
                     continue
                 subprocess.run(["mkfs.retainzfs", "-q", "--force", "--size",
                                 str(max(2 << 30, 6 * size)), "--zone-size", "64M", img], check=True)
@@ -116,9 +157,12 @@ def main() -> int:
             rz = statistics.median(x[f"{op}_s"] for x in res[("retainzfs", t)])
             pl = statistics.median(x[f"{op}_s"] for x in res[("plain", t)])
             cpu = statistics.median(x[f"{op}_cpu"] for x in res[("retainzfs", t)])
-            out["figures"][f"dcp_{op}_threads{t}"] = {
+            fig = out["figures"][f"dcp_{op}_threads{t}"] = {
                 "retainzfs_s": rz, "plain_s": pl, "time_ratio": rz / pl if pl else 0.0,
                 "target": TARGET, "daemon_cpu_s_per_gib": cpu / gib}
+            if exe:
+                cp = statistics.median(x[f"{op}_s"] for x in res[("c_pass", t)])
+                fig["c_pass_s"], fig["c_pass_ratio"] = cp, cp / pl if pl else 0.0
     if a.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -127,7 +171,9 @@ def main() -> int:
     for k, v in out["figures"].items():
         ok = "meets" if v["time_ratio"] <= TARGET else "above"
         print(f"  {k:20s} retainzfs {v['retainzfs_s']:6.2f} s  plain {v['plain_s']:6.2f} s  "
-              f"ratio {v['time_ratio']:.2f} ({ok})  daemon CPU {v['daemon_cpu_s_per_gib']:.2f} s/GiB")
+              f"ratio {v['time_ratio']:.2f} ({ok})  daemon CPU {v['daemon_cpu_s_per_gib']:.2f} s/GiB"
+              + (f"  | C passthrough {v['c_pass_s']:6.2f} s = {v['c_pass_ratio']:.2f}"
+                 if "c_pass_s" in v else ""))
     print(f"  daemon peak RSS {rss / MiB:.0f} MiB (target 300)")
     return 0
 

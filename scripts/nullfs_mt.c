@@ -5,8 +5,15 @@
  * received, handled and answered on one of libfuse's threads with no interpreter lock: how
  * far a daemon whose FUSE loop is not pyfuse3's single GIL-holding thread could go here.
  *
+ *
+ * Given a BACKING directory it stores after all: each file's bytes in BACKING/<inode>, written
+ * with pwrite, read with pread (through the host's page cache and its readahead) into a
+ * per-request buffer and answered with one copy, fsync as fdatasync.  That is the least any
+ * FUSE daemon keeping file data in host files must do, with no placement, journal or checksum:
+ * scripts/bench_dcp.py --ceiling measures real DCP loads on it.
+ *
  *   cc -O2 -o nullfs_mt nullfs_mt.c $(pkg-config --cflags --libs fuse3) -lpthread
- *   ./nullfs_mt MOUNTPOINT          # foreground; prints OK once mounted; umount to stop
+ *   ./nullfs_mt MOUNTPOINT [BACKING]  # foreground; prints OK once mounted; umount to stop
  */
 #define FUSE_USE_VERSION 34
 #include <fuse_lowlevel.h>
@@ -31,6 +38,7 @@ struct node {
     char *name;
     int used;
     fuse_ino_t next;                     /* hash chain of (parent, name) */
+    int fd;                              /* BACKING/<inode>, or -1 */
 };
 
 #define HBITS 20
@@ -47,6 +55,7 @@ static fuse_ino_t next_ino = 2;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static char *reply_buf;
 static struct timespec t0;
+static int backing = -1;                 /* the BACKING directory, or -1: store nothing */
 
 static void fill(fuse_ino_t ino, struct stat *st) {
     struct node *n = &nodes[ino];
@@ -103,7 +112,13 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
 static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to_set,
                        struct fuse_file_info *fi) {
     (void)fi;
-    if (to_set & FUSE_SET_ATTR_SIZE) nodes[ino].size = attr->st_size;
+    if (to_set & FUSE_SET_ATTR_SIZE) {
+        if (nodes[ino].fd >= 0 && ftruncate(nodes[ino].fd, attr->st_size)) {
+            fuse_reply_err(req, errno);
+            return;
+        }
+        nodes[ino].size = attr->st_size;
+    }
     if (to_set & FUSE_SET_ATTR_MODE) nodes[ino].mode = (nodes[ino].mode & ~07777) | (attr->st_mode & 07777);
     struct stat st;
     fill(ino, &st);
@@ -116,8 +131,13 @@ static fuse_ino_t mk(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t
     if (next_ino >= MAXN) { pthread_mutex_unlock(&mu); fuse_reply_err(req, ENOSPC); return 0; }
     fuse_ino_t i = next_ino++;
     unsigned h = hash(parent, name);
-    nodes[i] = (struct node){mode, 0, S_ISDIR(mode) ? 2 : 1, parent, strdup(name), 1, bucket[h]};
+    nodes[i] = (struct node){mode, 0, S_ISDIR(mode) ? 2 : 1, parent, strdup(name), 1, bucket[h], -1};
     bucket[h] = i;
+    if (backing >= 0 && S_ISREG(mode)) {
+        char n[32];
+        snprintf(n, sizeof(n), "%lu", (unsigned long)i);
+        nodes[i].fd = openat(backing, n, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    }
     pthread_mutex_unlock(&mu);
     return i;
 }
@@ -142,7 +162,10 @@ static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
 }
 
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
-    if (fi->flags & O_TRUNC) nodes[ino].size = 0;
+    if (fi->flags & O_TRUNC) {
+        nodes[ino].size = 0;
+        if (nodes[ino].fd >= 0 && ftruncate(nodes[ino].fd, 0)) { fuse_reply_err(req, errno); return; }
+    }
     fi->fh = ino;
     fi->keep_cache = 1;
     fi->direct_io = (fi->flags & O_ACCMODE) == O_WRONLY;
@@ -156,12 +179,26 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
     if (left < 0) left = 0;
     if ((off_t)size > left) size = left;
     if (size > REPLY) size = REPLY;
-    fuse_reply_buf(req, reply_buf, size);
+    if (nodes[ino].fd < 0) { fuse_reply_buf(req, reply_buf, size); return; }
+    char *buf = malloc(size ? size : 1);
+    ssize_t got = 0, r;
+    while ((size_t)got < size && (r = pread(nodes[ino].fd, buf + got, size - got, off + got)) > 0)
+        got += r;
+    if (got < (ssize_t)size && r < 0) fuse_reply_err(req, errno);
+    else fuse_reply_buf(req, buf, got);
+    free(buf);
 }
 
 static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, off_t off,
                      struct fuse_file_info *fi) {
-    (void)buf; (void)fi;
+    (void)fi;
+    if (nodes[ino].fd >= 0) {
+        for (size_t done = 0; done < size;) {
+            ssize_t r = pwrite(nodes[ino].fd, buf + done, size - done, off + done);
+            if (r <= 0) { fuse_reply_err(req, r < 0 ? errno : EIO); return; }
+            done += r;
+        }
+    }
     pthread_mutex_lock(&mu);
     if (off + (off_t)size > nodes[ino].size) nodes[ino].size = off + size;
     pthread_mutex_unlock(&mu);
@@ -174,16 +211,57 @@ static void op_ok(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
 }
 
 static void op_fsync(fuse_req_t req, fuse_ino_t ino, int ds, struct fuse_file_info *fi) {
-    (void)ds;
-    op_ok(req, ino, fi);
+    (void)ds; (void)fi;
+    fuse_reply_err(req, nodes[ino].fd >= 0 && fdatasync(nodes[ino].fd) ? errno : 0);
 }
 
 static void rm(fuse_req_t req, fuse_ino_t parent, const char *name) {
     pthread_mutex_lock(&mu);
     fuse_ino_t i = find(parent, name);
     if (i) nodes[i].used = 0;            /* stays in its chain, never matched again */
+    if (i && nodes[i].fd >= 0) {         /* no open-unlinked files here: the bench closes first */
+        char n[32];
+        snprintf(n, sizeof(n), "%lu", (unsigned long)i);
+        close(nodes[i].fd);
+        unlinkat(backing, n, 0);
+        nodes[i].fd = -1;
+    }
     pthread_mutex_unlock(&mu);
     fuse_reply_err(req, i ? 0 : ENOENT);
+}
+
+static void unchain(fuse_ino_t i) {                /* mu held */
+    fuse_ino_t *p = &bucket[hash(nodes[i].parent, nodes[i].name)];
+    while (*p && *p != i) p = &nodes[*p].next;
+    if (*p) *p = nodes[i].next;
+}
+
+static void op_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_ino_t newparent,
+                      const char *newname, unsigned int flags) {
+    if (flags) { fuse_reply_err(req, EINVAL); return; }
+    pthread_mutex_lock(&mu);
+    fuse_ino_t i = find(parent, name), j = find(newparent, newname);
+    if (!i) { pthread_mutex_unlock(&mu); fuse_reply_err(req, ENOENT); return; }
+    if (j && j != i) {                   /* replaced: its bytes go as an unlink's do */
+        unchain(j);
+        nodes[j].used = 0;
+        if (nodes[j].fd >= 0) {
+            char n[32];
+            snprintf(n, sizeof(n), "%lu", (unsigned long)j);
+            close(nodes[j].fd);
+            unlinkat(backing, n, 0);
+            nodes[j].fd = -1;
+        }
+    }
+    unchain(i);
+    free(nodes[i].name);
+    nodes[i].name = strdup(newname);
+    nodes[i].parent = newparent;
+    unsigned h = hash(newparent, newname);
+    nodes[i].next = bucket[h];
+    bucket[h] = i;
+    pthread_mutex_unlock(&mu);
+    fuse_reply_err(req, 0);
 }
 
 static void op_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
@@ -225,17 +303,21 @@ static const struct fuse_lowlevel_ops ops = {
     .init = op_init, .lookup = op_lookup, .getattr = op_getattr, .setattr = op_setattr,
     .mkdir = op_mkdir, .create = op_create, .open = op_open, .read = op_read,
     .write = op_write, .flush = op_ok, .release = op_ok, .fsync = op_fsync,
-    .unlink = rm, .rmdir = rm, .opendir = op_opendir, .readdir = op_readdir,
+    .unlink = rm, .rmdir = rm, .rename = op_rename, .opendir = op_opendir, .readdir = op_readdir,
     .releasedir = op_ok, .statfs = op_statfs,
 };
 
 int main(int argc, char **argv) {
-    if (argc != 2) { fprintf(stderr, "usage: %s MOUNTPOINT\n", argv[0]); return 2; }
+    if (argc != 2 && argc != 3) { fprintf(stderr, "usage: %s MOUNTPOINT [BACKING]\n", argv[0]); return 2; }
+    if (argc == 3 && (backing = open(argv[2], O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
+        perror(argv[2]);
+        return 1;
+    }
     nodes = calloc(MAXN, sizeof(*nodes));
     reply_buf = malloc(REPLY);
     for (int i = 0; i < REPLY; i++) reply_buf[i] = (char)i;
     clock_gettime(CLOCK_REALTIME, &t0);
-    nodes[1] = (struct node){S_IFDIR | 0755, 0, 2, 0, strdup(""), 1, 0};
+    nodes[1] = (struct node){S_IFDIR | 0755, 0, 2, 0, strdup(""), 1, 0, -1};
     char *fargv[] = {argv[0], "-o", "default_permissions,fsname=nullfs_mt,subtype=nullfs", NULL};
     struct fuse_args args = FUSE_ARGS_INIT(3, fargv);
     struct fuse_session *se = fuse_session_new(&args, &ops, sizeof(ops), NULL);

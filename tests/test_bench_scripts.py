@@ -46,11 +46,13 @@ def test_bench_io_prints_every_figure_and_the_disk_bound(tmp_path):
 
 def test_bench_dcp_saves_and_loads_with_real_dcp(tmp_path):
     pytest.importorskip("torch.distributed.checkpoint")
-    res = _run("bench_dcp.py", "--size", "24M", "--rounds", "1", "--workdir", str(tmp_path))
+    res = _run("bench_dcp.py", "--size", "24M", "--rounds", "1", "--workdir", str(tmp_path),
+               "--ceiling")                 # and the C passthrough: one_round checks its bytes
     assert set(res["figures"]) == {f"dcp_{op}_threads{t}" for op in ("save", "load")
                                    for t in (1, 4)}
     for k, v in res["figures"].items():
         assert v["retainzfs_s"] > 0 and v["plain_s"] > 0, (k, v)
         assert math.isfinite(v["time_ratio"]) and v["time_ratio"] > 0, (k, v)
+        assert v["c_pass_s"] > 0 and math.isfinite(v["c_pass_ratio"]), (k, v)
     assert res["daemon_peak_rss"] > 0
     assert _mounts_under(tmp_path) == [] and os.listdir(tmp_path) == []
