@@ -52,6 +52,10 @@ cdef extern from "<sys/stat.h>":
         timespec st_mtim
         timespec st_ctim
 
+cdef extern from "<fcntl.h>" nogil:
+    int O_DSYNC
+
+
 cdef extern from "<time.h>" nogil:
     int clock_gettime(int clk, timespec *ts)
     int CLOCK_REALTIME
@@ -541,6 +545,8 @@ cdef void h_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, 
             else:
                 data = PyBytes_FromStringAndSize(buf, size)
             n = _ops.write(fi.fh, off, data)
+        if fi.flags & O_DSYNC:          # RWF_DSYNC / RWF_SYNC, or an O_DSYNC descriptor
+            _ops.write_synced(fi.fh)
     except BaseException as exc:
         fuse_reply_err(req, _err(exc, b"write"))
     else:

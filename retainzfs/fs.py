@@ -73,6 +73,7 @@ class Operations:
         self.store = store
         self.handles: dict[int, int] = {}     # fh -> ino (dict operations are atomic)
         self.synced: set[int] = set()         # handles fsynced once: their close is durable
+        self.direct: set[int] = set()         # handles opened with FOPEN_DIRECT_IO
         self._fhs = itertools.count(1)
         self.initialized = threading.Event()
 
@@ -175,7 +176,10 @@ class Operations:
     def open(self, ino: int, flags: int) -> tuple[int, bool, bool]:
         """(fh, direct_io, keep_cache)."""
         self.store.open(ino, truncate=bool(flags & os.O_TRUNC))
-        return self._new_fh(ino), _direct_write(flags, self.store.stat(ino)), True
+        fh, direct = self._new_fh(ino), _direct_write(flags, self.store.stat(ino))
+        if direct:
+            self.direct.add(fh)
+        return fh, direct, True
 
     def create(self, parent: int, name: bytes, mode: int, flags: int, ctx):
         """(fh, direct_io, keep_cache, Attrs)."""
@@ -183,7 +187,10 @@ class Operations:
         ino = self.store.create(parent, name, mode & ~umask, uid, gid).ino
         self.store.open(ino)
         entry = self.store.stat(ino, ref=True)
-        return self._new_fh(ino), _direct_write(flags, entry), True, entry
+        fh, direct = self._new_fh(ino), _direct_write(flags, entry)
+        if direct:
+            self.direct.add(fh)
+        return fh, direct, True, entry
 
     def read(self, fh: int, off: int, size: int):
         ino = self._ino(fh)
@@ -198,6 +205,15 @@ class Operations:
         if n is None:
             n = self.store.write(ino, off, buf)
         return n
+
+    def write_synced(self, fh: int) -> None:
+        """A write that asked to be durable when it returns (``pwritev2`` with RWF_DSYNC or
+        RWF_SYNC; the kernel marks the request O_DSYNC) on a descriptor opened for direct
+        writes: the kernel sends no FSYNC after it there, as it does on the cached path, so the
+        write itself is made durable, as an fsync would.  Before, such a write to a
+        write-only file was empty after a kill -9 of the daemon."""
+        if fh in self.direct:
+            self.fsync(fh, True)
 
     def flush(self, fh: int) -> None:
         """close(2).  Durable when the descriptor was fsynced before: the program cares, and
@@ -216,6 +232,7 @@ class Operations:
 
     def release(self, fh: int) -> None:
         self.synced.discard(fh)
+        self.direct.discard(fh)
         ino = self.handles.pop(fh, None)
         if ino is None:
             return

@@ -310,6 +310,9 @@ def serve_binding(mnt: str) -> int:
         def fsync(self, fh, datasync):
             pass
 
+        def write_synced(self, fh):           # a write asking to be durable (RWF_DSYNC)
+            pass
+
         def release(self, fh):
             pass
 

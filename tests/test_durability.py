@@ -1515,6 +1515,27 @@ def test_o_sync_and_o_dsync_writes_are_durable_when_they_return(mounted, flags):
     assert_fsck_clean(mounted.img)
 
 
+@pytest.mark.parametrize("rwf", ["RWF_DSYNC", "RWF_SYNC"])
+@pytest.mark.parametrize("access", ["O_WRONLY", "O_RDWR"])
+def test_rwf_dsync_and_rwf_sync_writes_are_durable_when_they_return(mounted, access, rwf):
+    """``pwritev2`` with RWF_DSYNC / RWF_SYNC on a descriptor opened without O_DSYNC (io_uring
+    and ``pwritev2`` writers, fio's ``pvsync2``) is durable when it returns: the daemon is
+    killed with the file still open, and every byte so written is there after the remount.
+    Before, on a write-only descriptor (FOPEN_DIRECT_IO, which the kernel follows with no
+    FSYNC) the file was empty; read-write ones were whole (the cached path sends an FSYNC)."""
+    rng = random.Random(access + rwf)
+    fd = os.open(mounted / "f", os.O_CREAT | getattr(os, access), 0o644)
+    off, want = 0, b""
+    for n in (50_000, 3000, MiB + 7, 1, 4096):
+        piece = rng.randbytes(n)
+        assert os.pwritev(fd, [piece], off, getattr(os, rwf)) == n
+        off, want = off + n, want + piece
+    kill_and_remount(mounted, os.fdopen(fd, "rb", buffering=0))   # (only closed)
+    assert (mounted / "f").read_bytes() == want
+    mounted.umount()
+    assert_fsck_clean(mounted.img)
+
+
 def test_corrupt_superblock_is_reported_not_reformatted(make_image, tmp_path):
     """A damaged superblock record is a one-line 'corrupt' error for mount/fsck, and mkfs
     refuses to erase it without --force (it must not advise running mkfs)."""
