@@ -10,11 +10,14 @@
  * with pwrite, read with pread (through the host's page cache and its readahead) into a
  * per-request buffer and answered with one copy, fsync as fdatasync.  That is the least any
  * FUSE daemon keeping file data in host files must do, with no placement, journal or checksum:
- * scripts/bench_dcp.py --ceiling measures real DCP loads on it.
+ * scripts/bench_dcp.py --ceiling measures real DCP loads on it.  With "direct" after BACKING,
+ * reads go through a second descriptor opened O_DIRECT (as retainzfs reads its image's zones):
+ * what reading past the host's page cache and its readahead costs, alone.
  *
  *   cc -O2 -o nullfs_mt nullfs_mt.c $(pkg-config --cflags --libs fuse3) -lpthread
- *   ./nullfs_mt MOUNTPOINT [BACKING]  # foreground; prints OK once mounted; umount to stop
+ *   ./nullfs_mt MOUNTPOINT [BACKING [direct]]  # foreground; prints OK once mounted
  */
+#define _GNU_SOURCE                      /* O_DIRECT */
 #define FUSE_USE_VERSION 34
 #include <fuse_lowlevel.h>
 #include <errno.h>
@@ -39,6 +42,7 @@ struct node {
     int used;
     fuse_ino_t next;                     /* hash chain of (parent, name) */
     int fd;                              /* BACKING/<inode>, or -1 */
+    int rfd;                             /* the same, for reads (O_DIRECT with "direct") */
 };
 
 #define HBITS 20
@@ -56,6 +60,7 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static char *reply_buf;
 static struct timespec t0;
 static int backing = -1;                 /* the BACKING directory, or -1: store nothing */
+static int direct_reads;                 /* "direct": reads with O_DIRECT, as retainzfs's */
 
 static void fill(fuse_ino_t ino, struct stat *st) {
     struct node *n = &nodes[ino];
@@ -131,12 +136,14 @@ static fuse_ino_t mk(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t
     if (next_ino >= MAXN) { pthread_mutex_unlock(&mu); fuse_reply_err(req, ENOSPC); return 0; }
     fuse_ino_t i = next_ino++;
     unsigned h = hash(parent, name);
-    nodes[i] = (struct node){mode, 0, S_ISDIR(mode) ? 2 : 1, parent, strdup(name), 1, bucket[h], -1};
+    nodes[i] = (struct node){mode, 0, S_ISDIR(mode) ? 2 : 1, parent, strdup(name), 1, bucket[h], -1, -1};
     bucket[h] = i;
     if (backing >= 0 && S_ISREG(mode)) {
         char n[32];
         snprintf(n, sizeof(n), "%lu", (unsigned long)i);
         nodes[i].fd = openat(backing, n, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+        nodes[i].rfd = direct_reads ? openat(backing, n, O_RDONLY | O_DIRECT | O_CLOEXEC)
+                                    : nodes[i].fd;
     }
     pthread_mutex_unlock(&mu);
     return i;
@@ -180,10 +187,13 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
     if ((off_t)size > left) size = left;
     if (size > REPLY) size = REPLY;
     if (nodes[ino].fd < 0) { fuse_reply_buf(req, reply_buf, size); return; }
-    char *buf = malloc(size ? size : 1);
-    ssize_t got = 0, r;
-    while ((size_t)got < size && (r = pread(nodes[ino].fd, buf + got, size - got, off + got)) > 0)
+    char *buf;
+    size_t want = direct_reads ? (size + 4095) & ~(size_t)4095 : size;
+    if (posix_memalign((void **)&buf, 4096, want ? want : 4096)) { fuse_reply_err(req, ENOMEM); return; }
+    ssize_t got = 0, r = 0;
+    while ((size_t)got < size && (r = pread(nodes[ino].rfd, buf + got, want - got, off + got)) > 0)
         got += r;
+    if (got > (ssize_t)size) got = size;
     if (got < (ssize_t)size && r < 0) fuse_reply_err(req, errno);
     else fuse_reply_buf(req, buf, got);
     free(buf);
@@ -222,9 +232,10 @@ static void rm(fuse_req_t req, fuse_ino_t parent, const char *name) {
     if (i && nodes[i].fd >= 0) {         /* no open-unlinked files here: the bench closes first */
         char n[32];
         snprintf(n, sizeof(n), "%lu", (unsigned long)i);
+        if (nodes[i].rfd != nodes[i].fd) close(nodes[i].rfd);
         close(nodes[i].fd);
         unlinkat(backing, n, 0);
-        nodes[i].fd = -1;
+        nodes[i].fd = nodes[i].rfd = -1;
     }
     pthread_mutex_unlock(&mu);
     fuse_reply_err(req, i ? 0 : ENOENT);
@@ -248,9 +259,10 @@ static void op_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_
         if (nodes[j].fd >= 0) {
             char n[32];
             snprintf(n, sizeof(n), "%lu", (unsigned long)j);
+            if (nodes[j].rfd != nodes[j].fd) close(nodes[j].rfd);
             close(nodes[j].fd);
             unlinkat(backing, n, 0);
-            nodes[j].fd = -1;
+            nodes[j].fd = nodes[j].rfd = -1;
         }
     }
     unchain(i);
@@ -308,8 +320,12 @@ static const struct fuse_lowlevel_ops ops = {
 };
 
 int main(int argc, char **argv) {
-    if (argc != 2 && argc != 3) { fprintf(stderr, "usage: %s MOUNTPOINT [BACKING]\n", argv[0]); return 2; }
-    if (argc == 3 && (backing = open(argv[2], O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
+    if (argc < 2 || argc > 4 || (argc == 4 && strcmp(argv[3], "direct"))) {
+        fprintf(stderr, "usage: %s MOUNTPOINT [BACKING [direct]]\n", argv[0]);
+        return 2;
+    }
+    direct_reads = argc == 4;
+    if (argc >= 3 && (backing = open(argv[2], O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
         perror(argv[2]);
         return 1;
     }
@@ -317,7 +333,7 @@ int main(int argc, char **argv) {
     reply_buf = malloc(REPLY);
     for (int i = 0; i < REPLY; i++) reply_buf[i] = (char)i;
     clock_gettime(CLOCK_REALTIME, &t0);
-    nodes[1] = (struct node){S_IFDIR | 0755, 0, 2, 0, strdup(""), 1, 0, -1};
+    nodes[1] = (struct node){S_IFDIR | 0755, 0, 2, 0, strdup(""), 1, 0, -1, -1};
     char *fargv[] = {argv[0], "-o", "default_permissions,fsname=nullfs_mt,subtype=nullfs", NULL};
     struct fuse_args args = FUSE_ARGS_INIT(3, fargv);
     struct fuse_session *se = fuse_session_new(&args, &ops, sizeof(ops), NULL);
