@@ -362,6 +362,22 @@ def test_device_and_mount_paths_with_commas_spaces_and_escapes(tmp_path, name):
         run("umount", mnt)
 
 
+def test_a_name_with_a_newline_cannot_split_or_forge_a_log_line(mounted):
+    """A directory named with a newline and a made-up log record, holding a malformed
+    ``.retainz`` (whose error names the directory): the log gets one line for it, the name's
+    control characters escaped, and no line begins with the forged record.  Before, the name
+    split the line in two and the second read as an ERROR of its own."""
+    forged = "2026-01-01 00:00:00,000 ERROR retainzfs: FORGED"
+    d = mounted / f"ckpt\n{forged}\r"
+    d.mkdir()
+    with pytest.raises(OSError):             # refused like any malformed .retainz write
+        (d / ".retainz").write_text("retain = [[[\n")
+    lines = mounted.daemon_log().splitlines()
+    assert not [ln for ln in lines if ln.startswith(forged)], lines[-5:]
+    said = [ln for ln in lines if "FORGED" in ln]
+    assert said and all("ckpt\\x0a2026-01-01" in ln and "\\x0d" in ln for ln in said), said
+
+
 # ------------------------------------------------------------------ 8. .retainz
 def _hint(path) -> dict:
     return json.loads(xattr.getxattr(path, H.XATTR_HINT))

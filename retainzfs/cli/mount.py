@@ -402,6 +402,26 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
     return rc
 
 
+#: control characters a log message may carry in a name, escaped (tab kept)
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127) if c != 9}
+
+
+class OneLineFormatter(logging.Formatter):
+    """Each record one line, whatever it names: a file or directory name may hold a newline
+    (Linux allows any byte but ``/`` and NUL), and one logged in a message split its line in
+    two -- and could forge a line of its own (``d\\n... ERROR ...``).  Tracebacks, appended
+    after the message, keep their lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return super().formatMessage(record).translate(_CONTROL)
+
+
+def _log_to(stream, level: int) -> None:
+    h = logging.StreamHandler(stream)
+    h.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[h])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -414,9 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     if other and not _is_stale(other):    # fail at once (the lock retry is for exiting daemons)
         die(f"{target} is in use: already mounted at {other}")
     level = logging.DEBUG if ours.get("debug") else logging.INFO
-    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     if args.foreground:
-        logging.basicConfig(level=level, format=fmt)
+        _log_to(sys.stderr, level)
         return serve(target, os.path.realpath(mnt), ours, fuse_extra, None)
 
     logfile = os.path.abspath(ours.get("log") or _default_log(mnt))
@@ -438,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(null, 0)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
-            logging.basicConfig(level=level, format=fmt, stream=sys.stderr)
+            _log_to(sys.stderr, level)
             code = serve(target, mnt, ours, fuse_extra, w)
         except BaseException:
             logging.getLogger("retainzfs").exception("daemon failed")
