@@ -455,7 +455,11 @@ def run_replay(args: argparse.Namespace) -> int:
                      seed_bytes=args.seed_bytes, gc_reserve=args.gc_reserve,
                      fullscan=args.fullscan, workdir=args.workdir, max_saves=args.max_saves,
                      verify=not args.no_verify)
-    except (wl.TraceError, OSError, ValueError) as e:
+    except OSError as e:                     # the trace or the work directory
+        print(f"retainzfs replay: {e.filename + ': ' if e.filename else ''}"
+              f"{e.strerror or e}", file=sys.stderr)
+        return 1
+    except (wl.TraceError, ValueError) as e:
         print(f"retainzfs replay: {e}", file=sys.stderr)
         return 1
     except ReplayError as e:

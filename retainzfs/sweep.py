@@ -637,6 +637,11 @@ def run_sweep(args: argparse.Namespace) -> int:
     else:
         cases = build_cases(loads, seeds, policies, placement_seeds=pseeds, sensitivity=sens,
                             saves=saves)
+    try:                                     # a bad --out is one line, before any replay
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        print(f"retainzfs sweep: {args.out}: {e.strerror}", file=sys.stderr)
+        return 1
     t0 = time.perf_counter()
     print(f"retainzfs sweep: {len(cases)} runs, {args.jobs} jobs -> {args.out}", file=sys.stderr)
     runs = sweep(cases, args.out, jobs=args.jobs, resume=args.resume,

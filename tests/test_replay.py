@@ -209,3 +209,21 @@ def test_sweep_bad_arguments_are_a_usage_error_not_a_traceback(tmp_path, arg, ne
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr and needle in p.stderr.splitlines()[-1], p.stderr
     assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize("cmd", ["sweep", "replay"])
+def test_a_missing_or_unusable_path_is_one_line_not_a_traceback(tmp_path, cmd):
+    """``sweep --out`` under a file ended in a FileNotFoundError / NotADirectoryError
+    traceback; ``replay`` of a missing trace printed Python's ``[Errno 2] ...`` wording.
+    Now: exit 1, one line naming the path and the reason, nothing run."""
+    (tmp_path / "afile").write_text("")
+    bad = str(tmp_path / "afile" / "sub")
+    argv = (["sweep", "--quick", "--out", bad] if cmd == "sweep"
+            else ["replay", str(tmp_path / "no-such-trace.jsonl")])
+    p = subprocess.run([sys.executable, "-m", "retainzfs.cli.main", *argv],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in p.stderr and "Errno" not in p.stderr, lines
+    assert lines[0].startswith(f"retainzfs {cmd}: {tmp_path}") and (
+        "Not a directory" in lines[0] or "No such file" in lines[0]), lines
