@@ -276,10 +276,20 @@ def _parse_event(obj: dict) -> Event:
 
 
 def read_trace(path) -> tuple[DeviceSpec | None, list[Event]]:
-    """Parse a trace file; raise TraceError naming the line of the first problem."""
+    """Parse a trace file; raise TraceError naming the line of the first problem (or the file:
+    not UTF-8 text, no events at all -- a replay of nothing is a mistake, not a result)."""
     device, events, live, last_t = None, [], set(), 0.0
     with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+        lineno = 0
+        lines = iter(fh)
+        while True:
+            try:
+                line = next(lines)
+            except StopIteration:
+                break
+            except UnicodeDecodeError:
+                raise TraceError(f"{path}: not a trace (not UTF-8 text)") from None
+            lineno += 1
             if not line.strip():
                 continue
             try:
@@ -311,6 +321,8 @@ def read_trace(path) -> tuple[DeviceSpec | None, list[Event]]:
                 raise TraceError(f"{path}:{lineno}: {e}") from None
             last_t = ev.t
             events.append(ev)
+    if not events:
+        raise TraceError(f"{path}: no save or delete events (an empty trace)")
     return device, events
 
 

@@ -244,6 +244,20 @@ def test_malformed_trace(tmp_path, lines, line_no, msg):
         wl.read_trace(p)
 
 
+@pytest.mark.parametrize("content,msg", [
+    (b"", "empty trace"), (b"\n\n", "empty trace"),
+    (json.dumps({"device": wl.generate(0.84, 1)[0].to_json()}).encode() + b"\n", "empty trace"),
+    (b"\xce\x01junk", ": not a trace"), (json.dumps(GOOD_SAVE).encode() + b"\n\xff\n", ": not a"),
+])
+def test_an_empty_or_binary_trace_is_an_error_naming_the_file(tmp_path, content, msg):
+    """``replay`` of an empty file printed an empty table and exit 0; of a binary file,
+    Python's "'utf-8' codec can't decode byte 0xce ..." without the file's name."""
+    p = tmp_path / "t.jsonl"
+    p.write_bytes(content)
+    with pytest.raises(wl.TraceError, match=rf"^{p}.*{msg}"):
+        wl.read_trace(p)
+
+
 def test_cli(tmp_path, capsys):
     out = tmp_path / "w.jsonl"
     assert wl.main(["--load", "0.8", "--seed", "3", "--small", "--max-active", "14",
