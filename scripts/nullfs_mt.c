@@ -225,17 +225,22 @@ static void op_fsync(fuse_req_t req, fuse_ino_t ino, int ds, struct fuse_file_in
     fuse_reply_err(req, nodes[ino].fd >= 0 && fdatasync(nodes[ino].fd) ? errno : 0);
 }
 
+static void drop_bytes(fuse_ino_t i) {          /* mu held; its backing file goes */
+    if (nodes[i].fd < 0) return;         /* no open-unlinked files here: the bench closes first */
+    char n[32];
+    snprintf(n, sizeof(n), "%lu", (unsigned long)i);
+    if (nodes[i].rfd != nodes[i].fd) close(nodes[i].rfd);
+    close(nodes[i].fd);
+    unlinkat(backing, n, 0);
+    nodes[i].fd = nodes[i].rfd = -1;
+}
+
 static void rm(fuse_req_t req, fuse_ino_t parent, const char *name) {
     pthread_mutex_lock(&mu);
     fuse_ino_t i = find(parent, name);
-    if (i) nodes[i].used = 0;            /* stays in its chain, never matched again */
-    if (i && nodes[i].fd >= 0) {         /* no open-unlinked files here: the bench closes first */
-        char n[32];
-        snprintf(n, sizeof(n), "%lu", (unsigned long)i);
-        if (nodes[i].rfd != nodes[i].fd) close(nodes[i].rfd);
-        close(nodes[i].fd);
-        unlinkat(backing, n, 0);
-        nodes[i].fd = nodes[i].rfd = -1;
+    if (i) {
+        nodes[i].used = 0;               /* stays in its chain, never matched again */
+        drop_bytes(i);
     }
     pthread_mutex_unlock(&mu);
     fuse_reply_err(req, i ? 0 : ENOENT);
@@ -256,14 +261,7 @@ static void op_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_
     if (j && j != i) {                   /* replaced: its bytes go as an unlink's do */
         unchain(j);
         nodes[j].used = 0;
-        if (nodes[j].fd >= 0) {
-            char n[32];
-            snprintf(n, sizeof(n), "%lu", (unsigned long)j);
-            if (nodes[j].rfd != nodes[j].fd) close(nodes[j].rfd);
-            close(nodes[j].fd);
-            unlinkat(backing, n, 0);
-            nodes[j].fd = nodes[j].rfd = -1;
-        }
+        drop_bytes(j);
     }
     unchain(i);
     free(nodes[i].name);
