@@ -280,16 +280,11 @@ def read_trace(path) -> tuple[DeviceSpec | None, list[Event]]:
     not UTF-8 text, no events at all -- a replay of nothing is a mistake, not a result)."""
     device, events, live, last_t = None, [], set(), 0.0
     with open(path, encoding="utf-8") as fh:
-        lineno = 0
-        lines = iter(fh)
-        while True:
-            try:
-                line = next(lines)
-            except StopIteration:
-                break
-            except UnicodeDecodeError:
-                raise TraceError(f"{path}: not a trace (not UTF-8 text)") from None
-            lineno += 1
+        try:
+            text = fh.read()
+        except UnicodeDecodeError:
+            raise TraceError(f"{path}: not a trace (not UTF-8 text)") from None
+        for lineno, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
             try:
