@@ -81,23 +81,15 @@ def passthrough_round(exe: str, work: str, state: dict, target: dict, threads: i
                       direct: bool = False) -> dict:
     """``one_round`` on a fresh C passthrough FUSE mount whose files live in ``work``
     (read through O_DIRECT with ``direct``)."""
-    from retainzfs.cli.mount import _set_readahead
+    from bench_fuse_ceiling import null_mounted
     mnt, back = os.path.join(work, "c_mnt"), os.path.join(work, "c_back")
     os.makedirs(mnt, exist_ok=True)
     os.makedirs(back, exist_ok=True)
-    p = subprocess.Popen([exe, mnt, back] + (["direct"] if direct else []),
-                         stdout=subprocess.PIPE, text=True)
     try:
-        if p.stdout.readline().strip() != "OK":
-            raise SystemExit(f"bench_dcp: {exe} did not mount")
-        os.stat(mnt)                        # answered after FUSE INIT: the readahead sticks
-        _set_readahead(mnt, 4096)
-        return one_round(mnt, state, target, threads, p.pid)
+        with null_mounted([exe, mnt, back] + (["direct"] if direct else []), mnt) as p:
+            return one_round(mnt, state, target, threads, p.pid)
     finally:
-        subprocess.run(["umount", mnt], check=False)
-        p.wait(timeout=30)
         shutil.rmtree(back, ignore_errors=True)
-        time.sleep(0.5)
 
 
 def main() -> int:

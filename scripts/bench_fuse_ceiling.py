@@ -25,6 +25,7 @@ upper bound, not a like-for-like figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import os
@@ -377,27 +378,34 @@ def build_c(work: str) -> str | None:
     return exe
 
 
-def run_null(cmd: list[str], mnt: str, size: int) -> dict:
-    """bench_io's figures on the null file system started by ``cmd`` (prints OK once mounted)."""
-    from bench_io import figures
-    from benchutil import cpu_seconds, peak_rss
-
+@contextlib.contextmanager
+def null_mounted(cmd: list[str], mnt: str):
+    """The file system ``cmd`` starts (it prints OK once mounted on ``mnt``), with the
+    readahead retainzfs sets; yields its process, unmounts after.  (bench_dcp's ceiling too.)"""
     from retainzfs.cli.mount import _set_readahead
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         if p.stdout.readline().strip() != "OK":
-            raise SystemExit(f"bench_fuse_ceiling: {cmd[0]} did not mount")
+            raise SystemExit(f"{cmd[0]} did not mount")
         os.stat(mnt)                        # answered after FUSE INIT: the readahead sticks
         _set_readahead(mnt, 4096)
+        yield p
+    finally:
+        subprocess.run(["umount", mnt], check=False)
+        p.wait(timeout=30)
+        time.sleep(0.5)
+
+
+def run_null(cmd: list[str], mnt: str, size: int) -> dict:
+    """bench_io's figures on the null file system started by ``cmd``."""
+    from bench_io import figures
+    from benchutil import cpu_seconds, peak_rss
+    with null_mounted(cmd, mnt) as p:
         c0 = cpu_seconds(p.pid)
         f = figures(mnt, size)
         f["cpu_s"] = cpu_seconds(p.pid) - c0
         f["peak_rss_mib"] = peak_rss(p.pid) / MiB
         return f
-    finally:
-        subprocess.run(["umount", mnt], check=False)
-        p.wait(timeout=30)
-        time.sleep(0.5)
 
 
 def main() -> int:
