@@ -96,8 +96,9 @@ def test_arenas_and_buffers_hold_exactly_what_was_written(ops, max_open):
 
 
 def test_arena_slack_counts_each_arena_once_less_what_its_views_show():
-    """The memory a buffer's parts keep alive beyond their bytes: an arena's capacity once
-    per arena, less every byte a view of it shows; bytes and other objects cost nothing."""
+    """The memory a buffer's parts keep alive beyond their bytes: an arena's capacity (or
+    another object's length) once per object, less every byte a view of it shows; parts that
+    are not views cost nothing."""
     a, b = I.AlignedBuf(ARENA), I.AlignedBuf(ARENA)
     va, vb = memoryview(a), memoryview(b)
     assert I.arena_slack([]) == 0
@@ -105,6 +106,9 @@ def test_arena_slack_counts_each_arena_once_less_what_its_views_show():
     assert I.arena_slack([va[:HALF + 1], b"x" * 100, va[HALF + 1:]]) == 0
     assert I.arena_slack([va[:48], vb[4096:8192], memoryview(b"abc")]) == 2 * ARENA - 48 - 4096
     assert I.arena_slack([va[10:20], va[30:40]]) == ARENA - 20
+    big = b"y" * 300_000
+    assert I.arena_slack([memoryview(big)[299_008:], b"z" * 10]) == 299_008
+    assert I.arena_slack([memoryview(bytearray(100))[:40]]) == 60
 
 
 def test_an_unaligned_megabyte_write_fills_one_arena_and_flushes_without_a_copy():
@@ -267,6 +271,19 @@ def test_what_a_flush_leaves_does_not_keep_its_arena(left):
     assert wb.off == MiB - left and len(wb) == left
     assert wb.take(0, left).tobytes() == payload[-left:]
     assert wb.append(MiB, b"xyz") and wb.take(0, left + 3).tobytes() == payload[-left:] + b"xyz"
+
+
+@pytest.mark.parametrize("size", [64 * KiB + 1, 300_000, HALF - 1])
+def test_what_a_flush_leaves_does_not_keep_a_whole_write_request(size):
+    """Same for a request copied into a ``bytes`` of its own (between ``SMALL`` and half an
+    arena): what a flush in whole blocks leaves is copied, not a view keeping every byte."""
+    wb = WriteBuffer()
+    payload = os.urandom(size)
+    assert wb.append(0, payload)
+    wb.drop(size - size % 4096)
+    assert len(wb) == size % 4096 and wb.slack == 0
+    assert all(type(p) is not memoryview or len(p.obj) == len(p) for p in wb.chunks)
+    assert wb.take(0, len(wb)).tobytes() == payload[size - size % 4096:]
 
 
 @pytest.mark.parametrize("size", [MiB, HALF + 1])
