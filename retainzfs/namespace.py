@@ -744,9 +744,35 @@ class Inode:
         return max(b.off, ext.exts[-1].end if ext else 0)
 
     def has_buffered(self) -> bool:
-        """Buffered bytes or a background flush, without creating the open-file state."""
+        """Buffered bytes or a background flush not yet done, without creating the open-file
+        state.  (A done flush's bytes are in extents: counting it too kept the daemon's
+        readahead off for every file written in the background until the kernel forgot it,
+        the restore read right after a save among them.)"""
         r = self._rt
-        return r is not None and (bool(r.wbuf) or r.flushing is not None)
+        if r is None:
+            return False
+        f = r.flushing
+        return bool(r.wbuf) or (f is not None and not f.done())
+
+    def shed_finished(self) -> None:
+        """Let go of the open-file state a closed file no longer needs: an empty write buffer,
+        done flush futures, a flush turn already passed; all of it when nothing is left.
+        Without this, each file ever written kept ~1.5 KiB (an Event, a buffer, futures)
+        while the kernel held its name: 100,000 files created took the daemon from 23 to
+        288 MiB.  Store.lock held."""
+        r = self._rt
+        if r is None:
+            return
+        if r.wbuf is not None and not r.wbuf and r.inflight == 0:
+            r.wbuf = None
+        if r.flushing_prev is not None and r.flushing_prev.done():
+            r.flushing_prev = None
+        if r.flushing is not None and r.flushing.done() and r.flushing_prev is None:
+            r.flushing = None
+        if r.flush_turn is not None and r.flush_turn.is_set():
+            r.flush_turn = None
+        if r.idle() and not (r.policy_dirty and self.name == H.POLICY_NAME):
+            self._rt = None
 
     # -- kinds
     @property

@@ -102,6 +102,8 @@ class OpenFiles:
             s.alloc.release_writer(inode.ino)
             if inode.nlink == 0:
                 s.ns.free_inode_locked(inode)
+            else:
+                inode.shed_finished()
 
     def buffer_write(self, ino: int, off: int, data: bytes) -> int | None:
         """Append to the file's write buffer if that needs no device I/O; else None.
@@ -379,6 +381,10 @@ class OpenFiles:
             raise
         finally:
             mine.set()
+            with s.lock:                # passed: nothing after it waits for it (memory)
+                inode = s.inodes.get(ino)
+                if inode is not None and inode.flush_turn is mine:
+                    inode.flush_turn = None
         s.reclaim.reset_empty_zones()
 
     def truncate(self, ino: int, size: int) -> None:

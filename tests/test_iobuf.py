@@ -714,3 +714,29 @@ def test_the_daemon_does_not_grow_with_repeated_parallel_saves_and_loads(make_im
     assert seen[-1] - seen[1] < 40, f"daemon RSS by round (MiB): {[round(x) for x in seen]}"
     with open(paths[3], "rb") as f:                  # and the bytes are still the bytes
         assert f.read(MiB) == req
+
+
+def test_a_file_the_kernel_still_knows_is_read_ahead_right_after_it_was_written(tmp_path):
+    """Written in background flushes, closed, and still known to the kernel (a lookup
+    reference: its name is cached, as right after a save): the next sequential reader gets
+    the windows.  Before, the done background flush counted as buffered bytes for as long
+    as the kernel held the name, which kept readahead off (a restore right after a save
+    read every request from the device itself: ``readahead.hits`` 0 for a 1 GiB file)."""
+    dev, s = _store(tmp_path)
+    try:
+        a = os.urandom(24 * MiB)
+        ino = s.create(1, b"a", 0o644).ino
+        s.ref(ino)
+        s.open(ino)
+        for i in range(0, len(a), MiB):
+            s.write(ino, i, a[i:i + MiB])
+        s.commit(ino, durable=True)
+        s.release(ino)
+        s.open(ino)
+        assert _seq(s, ino, len(a)) == a
+        s.release(ino)
+        st = s.status()["readahead"]
+        assert st["hits"] >= 4 and st["bytes"] >= 4 * MiB, st
+    finally:
+        s.close()
+        dev.close()

@@ -1152,3 +1152,50 @@ def test_a_rename_over_a_file_with_durable_data_costs_no_flush(tmp_path):
     assert len(flushes) > n
     s.close()
     dev.close()
+
+
+def test_closed_files_the_kernel_still_knows_keep_no_open_file_state(tmp_path):
+    """Files created, written (in background flushes and final ones) and closed while the
+    kernel still holds their names (a lookup reference, as after any create): each kept a
+    write buffer, a threading.Event (the last flush's turn) and done futures until the kernel
+    forgot it, ~1.5 KiB a file: 100,000 files created took the daemon from 23 to 288 MiB
+    (through a mount, 11 MiB for 20,000 after).  Counted here as live objects."""
+    import gc
+    import threading
+    from concurrent.futures import Future
+
+    from retainzfs.writebuf import WriteBuffer
+
+    def live():
+        objs = gc.get_objects()
+        return (sum(type(o) is threading.Event for o in objs),
+                sum(type(o) is WriteBuffer for o in objs),
+                sum(isinstance(o, Future) for o in objs))
+
+    path, dev, s = fresh(tmp_path, size=256 * MiB, zone=4 * MiB)
+    try:
+        d = s.mkdir(1, b"d", 0o755).ino
+        before = live()
+        n = 300
+        data = os.urandom(5 * MiB + 123)              # one background flush and a final one
+        for i in range(n):
+            ino = s.create(d, b"f%d" % i, 0o644).ino
+            s.ref(ino)                                # the kernel's reference (create reply)
+            s.open(ino)
+            size = len(data) if i % 10 == 0 else 100 + i
+            for off in range(0, size, MiB):
+                if s.buffer_write(ino, off, data[off:min(off + MiB, size)]) is None:
+                    s.write(ino, off, data[off:min(off + MiB, size)])
+            s.commit(ino, durable=i % 3 == 0)
+            s.release(ino)
+        gc.collect()
+        after = live()
+        grown = [a - b for a, b in zip(after, before)]
+        assert all(g < 10 for g in grown), f"Events, WriteBuffers, Futures kept: {grown}"
+        for i in (0, 1, n - 1):
+            ino = s.lookup(d, b"f%d" % i).ino
+            want = data if i % 10 == 0 else data[:100 + i]
+            assert s.read(ino, 0, len(data) + 1) == want
+    finally:
+        s.close()
+        dev.close()
