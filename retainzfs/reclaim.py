@@ -189,11 +189,13 @@ class Reclaim:
         copied packed, one padded tail per group (a file's many small pieces stay dense)."""
         s = self.s
         groups: dict = {}
-        for i in s.inodes.values():
-            for e in i.extents.in_zone(victim):
+        for i, m in s.inodes.extent_maps():          # (files with data only)
+            for e in m.in_zone(victim):
                 key = (i.ino, e.hint, i.hint or H.UNHINTED)
                 groups.setdefault(key, []).append((e.off, e.length, e.zoff))
-        return groups
+        # in inode order, as a walk of every inode gave them (the copies' placement, and so
+        # the sweep's figures, stay the same); within an inode, file order
+        return dict(sorted(groups.items(), key=lambda kv: kv[0][0]))
 
     def _copy_out_iolocked(self, victim: int, groups: dict) -> bool:
         """Verified reads of each group, written packed through THE write loop in batches of

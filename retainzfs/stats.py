@@ -158,7 +158,7 @@ class StoreStats:
                 "bad_zones": {str(z): {"reason": b["reason"], "files": b["files"]}
                               for z, b in sorted(s.bad_zones.items())},
                 "lost_writes": s.lost_writes,
-                "files": sum(1 for i in s.inodes.values() if i.is_reg),
+                "files": s.inodes.nreg,
                 "policy_errors": {**{path_of(k): p.slow[0] for k, p in s.policies.items()
                                      if p.slow},
                                   **{path_of(k): v for k, v in s.policy_errors.items()}},
