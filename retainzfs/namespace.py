@@ -889,14 +889,52 @@ class Inode:
 
 
 # ------------------------------------------------------------------ snapshots
+def snapshot_entries(inodes: InodeTable):
+    """Each inode's snapshot entry in inode order: packed straight from its row
+    (``records.pack_plain_inode``) when it has nothing rare and no bytes only in a write
+    buffer (most files), else its ``InodeRec``.  A roll encodes every inode under Store.lock,
+    so this is the time every file operation waits: through ``to_rec`` 3.5 us an inode
+    (128,000 files: 542 ms)."""
+    if not isinstance(inodes, InodeTable):
+        yield from (i.to_rec() for i in inodes.values())
+        return
+    bits = inodes.bits
+    plain = R.pack_plain_inode
+    packed_hints: dict[int, bytes] = {}       # hints are interned: pack each once
+    for k in sorted(inodes.pages):
+        p = inodes.pages[k]
+        a, names, hints, exts, xs, rts = p.a, p.names, p.hints, p.ext, p.x, p.rt
+        base = k << bits
+        for r in range(1 << bits):
+            o = r * NCOL
+            m = a[o]
+            if not m:
+                continue
+            rt = rts.get(r)
+            if r in xs or (rt is not None and rt.wbuf):
+                yield Inode._view(base + r, inodes, p, r).to_rec()
+                continue
+            h = hints[r]
+            hb = None
+            if h is not None:
+                hb = packed_hints.get(id(h))
+                if hb is None:
+                    hb = packed_hints[id(h)] = R.pack_hint((h.birth, h.reclaim, h.stream,
+                                                            h.source))
+            uid, gid = _UG_LIST[m >> 32]
+            yield plain((base + r, m & _M32, uid, gid, a[o + C_NLINK], a[o + C_SIZE],
+                         a[o + C_ATIME], a[o + C_MTIME], a[o + C_CTIME], 0, a[o + C_PARENT]),
+                        names[r], hb, exts.get(r))
+
+
 def encode_snapshot(inodes, head: R.SnapshotHeader) -> bytes:
     """The snapshot blob of a namespace (``records.encode_snapshot``), streamed inode by inode."""
-    return R.encode_snapshot(head, len(inodes), (i.to_rec() for i in inodes.values()))
+    return R.encode_snapshot(head, len(inodes), snapshot_entries(inodes))
 
 
 def encode_snapshot_parts(inodes, head: R.SnapshotHeader) -> list[bytes]:
     """The same as compressed pieces in order (what a journal roll writes)."""
-    return R.encode_snapshot_parts(head, len(inodes), (i.to_rec() for i in inodes.values()))
+    return R.encode_snapshot_parts(head, len(inodes), snapshot_entries(inodes))
 
 
 def load_snapshot(blob, partial: bool = False) -> tuple[R.SnapshotHeader, InodeTable]:

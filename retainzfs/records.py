@@ -209,9 +209,29 @@ def _norm(v):
     return list(v) if isinstance(v, (list, tuple)) else v
 
 
-def _pack_hint(h) -> bytes:
+def pack_hint(h) -> bytes:
+    """A hint (birth, reclaim, stream, source) as an inode entry holds it."""
     src = h[3].encode("utf-8")
     return _HINT.pack(int(h[0]), float(h[1]), int(h[2]), len(src)) + src
+
+
+def pack_plain_inode(fixed: tuple, name: bytes, hint: bytes | None, extents) -> bytes:
+    """``pack_inode`` of an entry with nothing but its fixed fields, name, hint (packed:
+    ``pack_hint``) and extents (objects with ``off, length, zone, zoff, hint``): most files.
+    The same bytes, without an InodeRec per inode (a snapshot's fast path)."""
+    if len(name) > 255:
+        raise ValueError("inode name longer than 255 bytes")
+    flags = 0
+    tail = []
+    if hint is not None:
+        flags |= F_HINT
+        tail.append(hint)
+    if extents:
+        flags |= F_EXTENTS
+        tail.append(_U32.pack(len(extents)))
+        ext = _EXT.pack
+        tail += [ext(e.off, e.length, e.zone, e.zoff, e.hint) for e in extents]
+    return _INO.pack(*fixed, flags, len(name)) + name + b"".join(tail)
 
 
 def pack_inode(r: InodeRec, with_tables: bool = True) -> bytes:
@@ -232,10 +252,10 @@ def pack_inode(r: InodeRec, with_tables: bool = True) -> bytes:
             tail += (_U8.pack(len(k)), k, _U32.pack(len(v)), v)
     if r.hint is not None:
         flags |= F_HINT
-        tail.append(_pack_hint(r.hint))
+        tail.append(pack_hint(r.hint))
     if r.placed is not None:
         flags |= F_PLACED
-        tail.append(_pack_hint(r.placed))
+        tail.append(pack_hint(r.placed))
     if r.policy:
         flags |= F_POLICY
         tail += (_U32.pack(len(r.policy)), r.policy)
@@ -381,7 +401,8 @@ def encode_snapshot(head: SnapshotHeader, count: int, entries) -> bytes:
 
 def encode_snapshot_parts(head: SnapshotHeader, count: int, entries) -> list[bytes]:
     """``encode_snapshot`` as the list of its compressed pieces (a roll cuts them into
-    chunks without ever joining them: one copy of a big snapshot in memory, not three)."""
+    chunks without ever joining them: one copy of a big snapshot in memory, not three).
+    An entry may come packed already (``bytes``: ``pack_plain_inode``)."""
     co = zlib.compressobj(1)
     out = []
     buf = [SNAP_MAGIC, _SNAPHDR.pack(head.next_ino, head.now), _U32.pack(len(head.zgen))]
@@ -400,7 +421,7 @@ def encode_snapshot_parts(head: SnapshotHeader, count: int, entries) -> list[byt
     size = 0
     n = 0
     for r in entries:
-        e = pack_inode(r)
+        e = r if type(r) is bytes else pack_inode(r)
         buf.append(e)
         size += len(e)
         n += 1
