@@ -1170,7 +1170,7 @@ def test_closed_files_the_kernel_still_knows_keep_no_open_file_state(tmp_path):
         objs = gc.get_objects()
         return (sum(type(o) is threading.Event for o in objs),
                 sum(type(o) is WriteBuffer for o in objs),
-                sum(isinstance(o, Future) for o in objs))
+                sum(type(o) is Future for o in objs))
 
     path, dev, s = fresh(tmp_path, size=256 * MiB, zone=4 * MiB)
     try:
