@@ -24,6 +24,11 @@ log = logging.getLogger("retainzfs")
 XATTR_TOTAL_MAX = 1 << 20
 #: and their number: the journal's inode entry counts them in a u16
 XATTR_COUNT_MAX = 0xFFFF
+#: POSIX ACLs.  The mount does not negotiate FUSE_POSIX_ACL, so the kernel checks access by
+#: the mode bits alone and hands these to us as plain xattrs: stored, ``setfacl`` succeeded
+#: and ``getfacl`` showed an ACL that nothing applied (a mask taking write from the group
+#: left the group writing).  Refused as a file system mounted without ACLs refuses them.
+ACL_XATTRS = frozenset({b"system.posix_acl_access", b"system.posix_acl_default"})
 
 
 class XattrOps:
@@ -35,6 +40,8 @@ class XattrOps:
         """Set an xattr; ``create`` (XATTR_CREATE): EEXIST if it exists, ``replace``
         (XATTR_REPLACE): ENODATA if not, decided under the lock with the change (two racing
         XATTR_CREATEs: one wins)."""
+        if name in ACL_XATTRS:
+            raise FsError(errno.EOPNOTSUPP, "POSIX ACLs are not supported (mode bits only)")
         self.s.ns.room()
         with self.s.lock:
             inode = self.s.ns.get_locked(ino)

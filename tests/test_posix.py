@@ -860,6 +860,35 @@ def test_statfs_counts_what_gc_gives_back(make_image, mount_image):
     assert (m / "C").read_bytes() == rand_bytes(got, 7)
 
 
+def test_posix_acls_are_refused_not_stored_unenforced(mounted):
+    """The mount checks access by mode bits alone (no FUSE_POSIX_ACL): an ACL must be refused
+    (EOPNOTSUPP, as a file system mounted without ACLs answers; ``setfacl`` then says
+    "Operation not supported") instead of stored.  Before, ``setfacl -m m::---`` succeeded and
+    ``getfacl`` showed a mask that took write from the group, while the group kept writing.
+    Other namespaces (trusted, security, user) are still kept."""
+    import base64
+    p = mounted / "acl"
+    write_file(p, b"data")
+    os.chmod(p, 0o664)
+    # user::rw- user:nobody:r-- group::rw- mask::r-- other::r-- (what setfacl would send)
+    acl = base64.b64decode("AgAAAAEABgD/////AgAEAP7/AAAEAAYA/////xAABAD/////IAAEAP////8=")
+    for name in ("system.posix_acl_access", "system.posix_acl_default"):
+        target = mounted if name.endswith("default") else p
+        with pytest.raises(OSError) as ei:
+            os.setxattr(target, name, acl)
+        assert ei.value.errno == errno.EOPNOTSUPP, name
+        with pytest.raises(OSError) as ei:
+            os.getxattr(target, name)
+        assert ei.value.errno == errno.ENODATA, name
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o664
+    for name in ("trusted.t", "security.s", "user.u"):
+        os.setxattr(p, name, b"v")
+    mounted.remount()
+    assert {n: os.getxattr(p, n) for n in ("trusted.t", "security.s", "user.u")} == \
+        {"trusted.t": b"v", "security.s": b"v", "user.u": b"v"}
+    assert not any(n.startswith("system.posix_acl") for n in os.listxattr(p))
+
+
 def test_xattrs(mounted):
     p = mounted / "x"
     write_file(p, b"data")
