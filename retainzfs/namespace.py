@@ -155,9 +155,8 @@ def _rt_prop(name: str, default, drop_when_idle: bool = False):
                 return
             r = self._rt = RunState()
         setattr(r, name, v)
-        if drop_when_idle and not v and r.idle() and not (r.policy_dirty
-                                                           and self.name == H.POLICY_NAME):
-            self._rt = None
+        if drop_when_idle and not v:
+            self._drop_rt_if_idle()
     return property(get, set_)
 
 
@@ -782,7 +781,13 @@ class Inode:
             r.flushing = None
         if r.flush_turn is not None and r.flush_turn.is_set():
             r.flush_turn = None
-        if r.idle() and not (r.policy_dirty and self.name == H.POLICY_NAME):
+        self._drop_rt_if_idle()
+
+    def _drop_rt_if_idle(self) -> None:
+        """Let go of the open-file state when nothing is left in it (a ``.retainz`` waiting
+        for validation keeps it)."""
+        r = self._rt
+        if r is not None and r.idle() and not (r.policy_dirty and self.name == H.POLICY_NAME):
             self._rt = None
 
     # -- kinds

@@ -219,8 +219,6 @@ def pack_plain_inode(fixed: tuple, name: bytes, hint: bytes | None, extents) -> 
     """``pack_inode`` of an entry with nothing but its fixed fields, name, hint (packed:
     ``pack_hint``) and extents (objects with ``off, length, zone, zoff, hint``): most files.
     The same bytes, without an InodeRec per inode (a snapshot's fast path)."""
-    if len(name) > 255:
-        raise ValueError("inode name longer than 255 bytes")
     flags = 0
     tail = []
     if hint is not None:
@@ -231,15 +229,19 @@ def pack_plain_inode(fixed: tuple, name: bytes, hint: bytes | None, extents) -> 
         tail.append(_U32.pack(len(extents)))
         ext = _EXT.pack
         tail += [ext(e.off, e.length, e.zone, e.zoff, e.hint) for e in extents]
+    return _entry(fixed, flags, name, tail)
+
+
+def _entry(fixed: tuple, flags: int, name: bytes, tail: list) -> bytes:
+    """An inode entry from its fixed fields, flags, name and packed optional sections."""
+    if len(name) > 255:
+        raise ValueError("inode name longer than 255 bytes")
     return _INO.pack(*fixed, flags, len(name)) + name + b"".join(tail)
 
 
 def pack_inode(r: InodeRec, with_tables: bool = True) -> bytes:
     """One inode entry (see above); ``with_tables=False``: the INODE_B record (no extents or
     dirents: those are journaled by their own records)."""
-    name = r.name
-    if len(name) > 255:
-        raise ValueError("inode name longer than 255 bytes")
     flags = 0
     tail = []
     if r.target:
@@ -268,7 +270,7 @@ def pack_inode(r: InodeRec, with_tables: bool = True) -> bytes:
         tail.append(_U32.pack(len(r.dirents)))
         for k, i in r.dirents:
             tail += (_U8.pack(len(k)), k, _U64.pack(i))
-    return _INO.pack(*r.fixed, flags, len(name)) + name + b"".join(tail)
+    return _entry(r.fixed, flags, r.name, tail)
 
 
 def _unpack_hint(buf, pos):
