@@ -53,8 +53,10 @@ def test_rename_rederives_the_hint_and_reports_placed_data(mounted):
     assert h["placed"]["reclaim"] == "inf" and h["name"].endswith("iter_0000020_local.pt")
     # ... a file renamed before any data reached a zone places everything with the new hint
     tmp2 = d / "iter_0000030_local.dirty.pt"
-    tmp2.write_bytes(b"")
-    fd = os.open(tmp2, os.O_WRONLY)
+    # (one descriptor: with a create-and-close first, that handle's RELEASE, which the
+    # kernel sends asynchronously, could commit the bytes below before the rename -- it did
+    # once in CI -- and the test would race the kernel, not check the rename)
+    fd = os.open(tmp2, os.O_WRONLY | os.O_CREAT, 0o644)
     os.write(fd, b"x" * 4096)                                     # still buffered
     os.rename(tmp2, d / "iter_0000030_local.pt")
     os.fsync(fd)
