@@ -117,6 +117,36 @@ def test_status_reports_the_daemon_memory_cpu_and_threads(image, mount_image):
     assert st["daemon"] is None
 
 
+def test_status_of_a_stopped_daemon_says_so_instead_of_hanging(image, mount_image):
+    """A stopped daemon (SIGSTOP, a debugger, a frozen cgroup) makes every request on its
+    mount wait; ``retainzfs status`` waited with it, forever, telling the operator nothing.
+    It now gives up after ``--timeout`` seconds with one line naming the daemon and its
+    state, from the mount table and /proc (a stat of the mountpoint would wait too)."""
+    import signal
+    m = mount_image(image)
+    (m / "f").write_bytes(b"x" * 4096)
+    os.kill(m.pid, signal.SIGSTOP)
+    try:
+        for extra, what in (((), "the status request"), (("--zones",), "the zone map request"),
+                            (("--json",), "the status request")):
+            t = time.monotonic()
+            p = run("retainzfs", "status", *extra, "--timeout", "1.5", m, check=False,
+                    timeout=60)
+            assert p.returncode == 1 and p.stdout == "", (p.stdout, p.stderr)
+            line, = p.stderr.strip().splitlines()
+            assert f"no answer to {what} within 1.5 s" in line
+            assert f"daemon (pid {m.pid}) is stopped; `kill -CONT {m.pid}`" in line, line
+            assert time.monotonic() - t < 30
+        # the image named instead of the mountpoint finds the same daemon
+        p = run("retainzfs", "status", "--timeout", "1", image, check=False, timeout=60)
+        assert p.returncode == 1 and f"pid {m.pid}" in p.stderr, p.stderr
+    finally:
+        os.kill(m.pid, signal.SIGCONT)
+    assert "files" in run("retainzfs", "status", "--json", m).stdout
+    p = run("retainzfs", "status", "--timeout", "0", m, check=False)
+    assert p.returncode == 2 and "--timeout" in p.stderr
+
+
 def test_bad_metrics_option_and_busy_port(image, tmp_path):
     mnt = tmp_path / "m"
     mnt.mkdir()

@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import NoReturn
+import threading
+from typing import Callable, NoReturn, TypeVar
 
 from ..device import unescape_mount_field
 from ..superblock import MIN_META_ZONES
@@ -40,14 +41,110 @@ def find_mount_of(target: str) -> str | None:
     return None
 
 
-def is_retainzfs_mount(path: str) -> bool:
-    real = os.path.realpath(path)
+def _retainzfs_mountpoints() -> list[str]:
     try:
         with open("/proc/mounts") as f:
-            return any(unescape_mount_field(line.split()[1]) == real
-                       and line.split()[2] == "fuse.retainzfs" for line in f)
+            return [unescape_mount_field(line.split()[1]) for line in f
+                    if line.split()[2] == "fuse.retainzfs"]
     except OSError:
-        return False
+        return []
+
+
+def is_retainzfs_mount(path: str) -> bool:
+    """Whether ``path`` is a retainzfs mountpoint.  Its plain absolute form is tried first:
+    resolving symlinks stats the mountpoint, which waits for the daemon (forever when it is
+    stopped)."""
+    mounts = _retainzfs_mountpoints()
+    return os.path.abspath(path) in mounts or os.path.realpath(path) in mounts
+
+
+T = TypeVar("T")
+
+#: seconds a CLI command waits for a mounted daemon's answer before saying why it has none
+DAEMON_TIMEOUT = 10.0
+
+
+def _mount_source(mnt: str) -> str | None:
+    want = os.path.abspath(mnt)
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                src, where, fstype = line.split()[:3]
+                if fstype == "fuse.retainzfs" and unescape_mount_field(where) == want:
+                    return unescape_mount_field(src)
+    except OSError:
+        pass
+    return None
+
+
+def daemon_pids(mnt: str) -> list[int]:
+    """The mount daemons serving ``mnt``: those holding its device or image open (a daemon
+    chdirs to / and may have been given relative paths, so not by its arguments)."""
+    src = _mount_source(mnt)
+    if src is None:
+        return []
+    want, pids = os.path.realpath(src), []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0")[:3]]
+            if not any("mount.retainzfs" in a or a == "retainzfs.cli.mount"
+                       or a.endswith("retainzfs/cli/mount.py") for a in argv):
+                continue
+            fds = os.listdir(f"/proc/{d}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{d}/fd/{fd}") == want:
+                    pids.append(int(d))
+                    break
+            except OSError:
+                continue
+    return pids
+
+
+def _daemon_state(mnt: str) -> str:
+    """Why a mount may not answer, from the daemons' /proc state."""
+    said = []
+    for pid in daemon_pids(mnt):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state in "Tt":
+            said.append(f"its daemon (pid {pid}) is stopped; `kill -CONT {pid}` resumes it")
+        else:
+            said.append(f"its daemon (pid {pid}, state {state}) is busy or hung")
+    return "; ".join(said) or "no daemon process for it was found"
+
+
+def ask_daemon(mnt: str, what: str, fn: Callable[[], T],
+               timeout: float = DAEMON_TIMEOUT) -> T:
+    """``fn()`` (a request to the mounted daemon) with a deadline: a stopped or hung daemon
+    makes every request on its mount wait in the kernel, and ``retainzfs status`` hung with
+    it, telling the operator nothing.  Past ``timeout`` seconds: a one-line error naming the
+    daemon and its state.  The waiting thread is left behind; the process exit ends it."""
+    out: list = []
+
+    def call() -> None:
+        try:
+            out.append((True, fn()))
+        except BaseException as e:       # handed to the caller's thread
+            out.append((False, e))
+
+    t = threading.Thread(target=call, name="ask-daemon", daemon=True)
+    t.start()
+    t.join(timeout)
+    if not out:
+        die(f"{mnt}: no answer to {what} within {timeout:g} s: {_daemon_state(mnt)}")
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 def no_superblock_message(dev, target: str, meta_zones: int = MIN_META_ZONES) -> str:

@@ -10,14 +10,16 @@ import sys
 import xattr
 
 from .. import hints as H
-from .common import die, find_mount_of, is_retainzfs_mount, no_superblock_message
+from .common import (DAEMON_TIMEOUT, ask_daemon, die, find_mount_of, is_retainzfs_mount,
+                     no_superblock_message)
 
 STATUS_XATTR = H.XATTR_STATUS.decode()
 
 
-def _status_from_mount(mnt: str) -> dict:
+def _status_from_mount(mnt: str, timeout: float = DAEMON_TIMEOUT) -> dict:
     try:
-        return json.loads(xattr.getxattr(mnt, STATUS_XATTR))
+        return json.loads(ask_daemon(mnt, "the status request",
+                                     lambda: xattr.getxattr(mnt, STATUS_XATTR), timeout))
     except OSError as e:
         die(f"{mnt}: cannot read status from the mount: {e.strerror}")
 
@@ -50,14 +52,15 @@ def _open_offline(target: str, readonly: bool = True):
     return dev, store
 
 
-def get_status(path: str) -> dict:
+def get_status(path: str, timeout: float = DAEMON_TIMEOUT) -> dict:
+    # the mount table first: a stat of a mountpoint waits for its daemon
+    if is_retainzfs_mount(path):
+        return _status_from_mount(path, timeout)
     if os.path.isdir(path):
-        if not is_retainzfs_mount(path):
-            die(f"{path} is not a retainzfs mountpoint")
-        return _status_from_mount(path)
+        die(f"{path} is not a retainzfs mountpoint")
     mnt = find_mount_of(path)
     if mnt:
-        return _status_from_mount(mnt)
+        return _status_from_mount(mnt, timeout)
     if not os.path.exists(path):
         die(f"{path}: no such mountpoint, device or image")
     dev, store = _open_offline(path)
@@ -138,16 +141,17 @@ def cmd_status(args) -> int:
     if args.zones or args.png:
         from . import zonemap
         path = args.path
-        if os.path.isdir(path):
-            if not is_retainzfs_mount(path):
-                die(f"{path} is not a retainzfs mountpoint")
+        if is_retainzfs_mount(path):
             is_mount = True
+        elif os.path.isdir(path):
+            die(f"{path} is not a retainzfs mountpoint")
         else:
             mnt = find_mount_of(path)
             if not mnt and not os.path.exists(path):
                 die(f"{path}: no such mountpoint, device or image")
             path, is_mount = (mnt, True) if mnt else (path, False)
-        zm = zonemap.fetch(path, is_mount)
+        zm = (ask_daemon(path, "the zone map request", lambda: zonemap.fetch(path, True),
+                         args.timeout) if is_mount else zonemap.fetch(path, False))
         if args.json:
             print(json.dumps(zm))
         elif args.zones:
@@ -157,7 +161,7 @@ def cmd_status(args) -> int:
             if not args.json:
                 print(f"wrote {args.png}")
         return 0
-    st = get_status(args.path)
+    st = get_status(args.path, args.timeout)
     if args.json:
         print(json.dumps(st, indent=2, default=lambda x: "inf" if x == math.inf else str(x)))
     else:
@@ -302,6 +306,16 @@ def cmd_install_helper(args) -> int:
     return 0
 
 
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="retainzfs", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -310,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--zones", action="store_true", help="draw one cell per zone (aggregated "
                    "on large devices); with --json: the per-zone rows")
     s.add_argument("--png", metavar="FILE", help="write the zone map as a picture")
+    s.add_argument("--timeout", type=_seconds, default=DAEMON_TIMEOUT, metavar="S",
+                   help=f"give up on a mount whose daemon does not answer in S seconds "
+                        f"(default {DAEMON_TIMEOUT:g}) and say why")
     s.add_argument("path", help="mountpoint, or device/image")
     s.set_defaults(func=cmd_status)
     f = sub.add_parser("fsck", help="check an unmounted filesystem (--repair: the safe fixes)")
