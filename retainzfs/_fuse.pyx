@@ -170,6 +170,8 @@ cdef extern from *:
         void (*flush)(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept nogil
         void (*release)(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept nogil
         void (*fsync)(fuse_req_t req, fuse_ino_t ino, int datasync, fuse_file_info *fi) noexcept nogil
+        void (*fallocate)(fuse_req_t req, fuse_ino_t ino, int mode, long offset, long length,
+                          fuse_file_info *fi) noexcept nogil
         void (*opendir)(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept nogil
         void (*readdirplus)(fuse_req_t req, fuse_ino_t ino, size_t size, long off,
                             fuse_file_info *fi) noexcept nogil
@@ -567,6 +569,11 @@ cdef void h_fsync(fuse_req_t req, fuse_ino_t ino, int datasync,
     _answer_ok(req, b"fsync", _ops.fsync, (fi.fh, datasync != 0))
 
 
+cdef void h_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, long offset, long length,
+                      fuse_file_info *fi) noexcept with gil:
+    _answer_ok(req, b"fallocate", _ops.fallocate, (fi.fh, mode, offset, length))
+
+
 cdef void h_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept with gil:
     try:
         fh = _ops.opendir(ino)
@@ -788,6 +795,12 @@ cdef void ll_fsync(fuse_req_t req, fuse_ino_t ino, int datasync,
     h_fsync(req, ino, datasync, fi)
 
 
+cdef void ll_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, long offset, long length,
+                       fuse_file_info *fi) noexcept nogil:
+    rz_attach()
+    h_fallocate(req, ino, mode, offset, length, fi)
+
+
 cdef void ll_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept nogil:
     rz_attach()
     h_opendir(req, ino, fi)
@@ -867,6 +880,7 @@ def mount(ops, str mountpoint, options) -> None:
     _llops.flush = ll_flush
     _llops.release = ll_release
     _llops.fsync = ll_fsync
+    _llops.fallocate = ll_fallocate
     _llops.opendir = ll_opendir
     _llops.readdirplus = ll_readdirplus
     _llops.releasedir = ll_releasedir

@@ -145,6 +145,15 @@ class ExtentMap:
         self.offs.insert(i, off)
         return True
 
+    def mapped_between(self, start: int, end: int) -> int:
+        """Bytes of [start, end) that extents map."""
+        n = 0
+        for e in self.exts[max(bisect_right(self.offs, start) - 1, 0):]:
+            if e.off >= end:
+                break
+            n += max(0, min(e.end, end) - max(e.off, start))
+        return n
+
     def in_zone(self, zone: int) -> list[Extent]:
         return [e for e in self.exts if e.zone == zone]
 

@@ -30,6 +30,7 @@ ENTRY_TIMEOUT = 1.0
 NEGATIVE_TIMEOUT = ENTRY_TIMEOUT
 
 XATTR_CREATE, XATTR_REPLACE = 1, 2
+FALLOC_FL_KEEP_SIZE = 0x01
 
 #: st_blksize: the buffer size of stdio and Python's ``open()``.  Not 1 MiB: a reader that
 #: seeks to a header and reads a few bytes (``torch.load`` of each DCP item) would refill a
@@ -225,6 +226,16 @@ class Operations:
         ino = self._ino(fh)
         if not self.store.files.flush_clean(ino):     # bytes or attributes to write out
             self.store.commit(ino, durable=fh in self.synced)
+
+    def fallocate(self, fh: int, mode: int, off: int, length: int) -> None:
+        """Modes 0 and KEEP_SIZE (``OpenFiles.allocate``); punching holes, zeroing,
+        collapsing or inserting ranges: EOPNOTSUPP (ENOSYS would make the kernel stop asking
+        for the modes that work)."""
+        if mode & ~FALLOC_FL_KEEP_SIZE:
+            raise FsError(errno.EOPNOTSUPP)
+        if off < 0 or length <= 0:
+            raise FsError(errno.EINVAL)
+        self.store.allocate(self._ino(fh), off, length, bool(mode & FALLOC_FL_KEEP_SIZE))
 
     def fsync(self, fh: int, datasync: bool) -> None:
         self.store.commit(self._ino(fh), durable=True)

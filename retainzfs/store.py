@@ -309,6 +309,7 @@ class Store:
     buffer_write = _Via("files")
     write = _Via("files")
     truncate = _Via("files")
+    allocate = _Via("files")
     _flush_data = _Via("files", "flush_data")
     # data path, datapath.DataPath; reads, readpath.ReadPath
     read = _Via("reads")

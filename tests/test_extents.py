@@ -145,3 +145,20 @@ def test_relocate_refuses_a_moved_or_partial_range():
     assert m.relocate(BS, BS, 4, BS, 6, 0)
     assert [e.as_list() for e in m] == [[0, BS, 4, 0, 1.0], [BS, BS, 6, 0, 1.0]]
     assert not m.relocate(0, 2 * BS, 4, 0, 7, 0)         # now spans two extents
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(offset, length, zone, st.integers(0, 8 * BS)), max_size=12),
+       st.lists(st.tuples(offset, length), min_size=1, max_size=6))
+def test_mapped_between_counts_the_mapped_bytes_of_a_range(adds, queries):
+    """``mapped_between`` (what fallocate counts as written already) against a byte model,
+    for ranges that start and end inside, before, between and past extents."""
+    m = ExtentMap()
+    model = [False] * (SPAN + 3 * BS)
+    for off, n, z, zoff in adds:
+        n = min(n, len(model) - off)
+        m.add(off, n, z, zoff, 1.0)
+        model[off:off + n] = [True] * n
+    for q, n in queries:
+        assert m.mapped_between(q, q + n) == sum(model[q:q + n]), (q, n)
+    assert m.mapped_between(0, len(model)) == m.total

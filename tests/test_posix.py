@@ -94,6 +94,59 @@ def test_overwrite_below_eof(mounted):
     assert st["live_bytes"] == len(ref)
 
 
+_FALLOC = getattr(ctypes.CDLL(None, use_errno=True), "fallocate", None)
+
+
+def _fallocate(fd: int, mode: int, off: int, n: int) -> int:
+    """fallocate(2) itself (os.posix_fallocate hides EOPNOTSUPP behind glibc's emulation)."""
+    _FALLOC.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return 0 if _FALLOC(fd, mode, off, n) == 0 else ctypes.get_errno()
+
+
+@pytest.mark.skipif(_FALLOC is None, reason="libc without fallocate")
+def test_fallocate_extends_or_checks_space_and_refuses_the_rest(make_image, mount_image):
+    """fallocate answered EOPNOTSUPP: ``fallocate -l`` failed, and glibc's posix_fallocate
+    wrote a byte into every block itself (64 MiB in 2 s, 80 MiB of padding).  Now modes 0 and
+    KEEP_SIZE check the unwritten bytes of the range against the free space and (mode 0) set
+    the size; nothing is written and st_blocks stays what was written (a zoned log cannot set
+    blocks aside, as OpenZFS's copy-on-write files cannot).  Other modes: EOPNOTSUPP."""
+    KEEP, PUNCH, ZERO = 0x01, 0x02, 0x10
+    m = mount_image(make_image("256M", "4M"))
+    p = m / "f"
+    data = rand_bytes(10_000, 3)
+    write_file(p, data)
+    fd = os.open(p, os.O_RDWR)
+    try:
+        before = m.status()["logical_bytes"]
+        assert _fallocate(fd, 0, 4096, 4096) == 0                   # inside the data: no change
+        assert os.fstat(fd).st_size == 10_000
+        assert _fallocate(fd, KEEP, 0, 64 * MiB) == 0               # past EOF, size kept
+        assert os.fstat(fd).st_size == 10_000
+        assert _fallocate(fd, 0, 5000, 32 * MiB) == 0               # extends
+        assert os.fstat(fd).st_size == 5000 + 32 * MiB
+        assert os.fstat(fd).st_blocks * 512 < MiB                   # nothing was written
+        assert _fallocate(fd, 0, 0, 1 << 30) == errno.ENOSPC        # more than the device
+        assert _fallocate(fd, PUNCH | KEEP, 0, 4096) == errno.EOPNOTSUPP
+        assert _fallocate(fd, ZERO, 0, 4096) == errno.EOPNOTSUPP
+        assert os.fstat(fd).st_size == 5000 + 32 * MiB
+        # glibc's posix_fallocate uses the call, not its block-by-block emulation
+        t = time.monotonic()
+        os.posix_fallocate(fd, 0, 48 * MiB)
+        assert time.monotonic() - t < 1.0 and os.fstat(fd).st_size == 48 * MiB
+        assert m.status()["logical_bytes"] - before < MiB
+        os.pwrite(fd, b"tail", 48 * MiB - 4)
+    finally:
+        os.close(fd)
+    m.remount()
+    with open(p, "rb") as f:
+        got = f.read()
+    assert len(got) == 48 * MiB and got[:10_000] == data and got[-4:] == b"tail"
+    assert got[10_000:-4].count(0) == len(got) - 10_004
+    m.umount()
+    f = run("retainzfs", "fsck", m.img, check=False)
+    assert f.returncode == 0 and " 0 problems" in f.stdout, f.stdout + f.stderr
+
+
 def test_o_trunc(mounted):
     p = mounted / "t"
     write_file(p, rand_bytes(6 * MiB, 5))
