@@ -406,12 +406,12 @@ class OpenFiles:
         if need > st["bfree"] * st["bsize"]:
             raise FsError(errno.ENOSPC, f"fallocate of {length} bytes: {need} are not written "
                                         f"yet and {st['bfree'] * st['bsize']} are free")
-        with s.lock:
-            size = s.ns.get_locked(ino).size
-        if not keep_size and end > size:
-            s.ns.setattr(ino, size=end)
+        if not keep_size:
+            self.truncate(ino, end, grow_only=True)
 
-    def truncate(self, ino: int, size: int) -> None:
+    def truncate(self, ino: int, size: int, grow_only: bool = False) -> None:
+        """Set the size; ``grow_only``: never below the size it has when the locks are held
+        (a fallocate racing a writer that extended the file meanwhile must not cut it)."""
         s = self.s
         self.wait_flush(ino)
         self.flush_data(ino, final=True)
@@ -420,7 +420,7 @@ class OpenFiles:
                 inode = s.ns.get_locked(ino)
                 if not inode.is_reg:
                     raise FsError(errno.EISDIR if inode.is_dir else errno.EINVAL)
-                if size == inode.size:
+                if size == inode.size or (grow_only and size < inode.size):
                     return
                 dead = s.do_locked(R.TRUNCATE, R.pack_truncate(ino, size))
                 s.reclaim.dead_locked(dead)
