@@ -122,6 +122,10 @@ cdef size_t _MAP_MIN = 256 << 10
 #: bytes of aligned buffers alive (held by requests, write buffers, windows; not the pool)
 cdef size_t _live = 0
 cdef size_t _live_peak = 0
+#: bytes the pool may keep in all (``set_pool_limit``: the mount lowers it under a memory
+#: limit) and keeps now
+cdef size_t _pool_cap = <size_t>-1
+cdef size_t _pooled = 0
 
 
 cdef int _size_class(size_t n) noexcept nogil:
@@ -151,6 +155,7 @@ cdef class AlignedBuf:
 
     def __cinit__(self, size_t n):
         cdef void *p = NULL
+        global _pooled
         self.cls = _size_class(n)
         if self.cls <= _MAX_SHIFT:
             self.cap = <size_t>1 << self.cls
@@ -158,6 +163,7 @@ cdef class AlignedBuf:
             if _pool_n[i]:
                 _pool_n[i] -= 1
                 p = _pool[i][_pool_n[i]]
+                _pooled -= self.cap
         else:
             self.cap = (n + PAGE - 1) // PAGE * PAGE
         if p == NULL:
@@ -177,16 +183,18 @@ cdef class AlignedBuf:
 
     def __dealloc__(self):
         cdef int i
-        global _live
+        global _live, _pooled
         if self.mem == NULL:
             return
         _live -= self.cap
         if self.cls <= _MAX_SHIFT:
             i = self.cls - _MIN_SHIFT
-            # at most 32 MiB kept per size class above 2 MiB: the daemon's RSS stays bounded
-            if _pool_n[i] < _keep(self.cls):
+            # at most 32 MiB kept per size class above 2 MiB, and ``_pool_cap`` in all: the
+            # daemon's RSS stays bounded
+            if _pool_n[i] < _keep(self.cls) and _pooled + self.cap <= _pool_cap:
                 _pool[i][_pool_n[i]] = self.mem
                 _pool_n[i] += 1
+                _pooled += self.cap
                 self.mem = NULL
                 return
         if self.cap >= _MAP_MIN:
@@ -664,11 +672,25 @@ def join_views(a, b):
         PyBuffer_Release(&pa)
 
 
+def set_pool_limit(size_t limit) -> None:
+    """Keep at most ``limit`` bytes of freed buffers (the mount's memory budget:
+    ``retainzfs.memory``); what the pool holds beyond it goes back to the kernel now."""
+    global _pool_cap
+    _pool_cap = limit
+    if _pooled > limit:
+        pool_trim()
+
+
+def pool_limit() -> int:
+    return _pool_cap
+
+
 def pool_trim() -> int:
     """Give every pooled buffer back to the kernel (after a burst of writes: the mount's idle
     hook); returns the bytes freed.  Needs the GIL (as every pool change does)."""
     cdef int i, cls
     cdef size_t n = 0, cap
+    global _pooled
     for i in range(_MAX_SHIFT - _MIN_SHIFT + 1):
         cls = i + _MIN_SHIFT
         cap = <size_t>1 << cls
@@ -679,6 +701,7 @@ def pool_trim() -> int:
             else:
                 free(_pool[i][_pool_n[i]])
             n += cap
+    _pooled = 0
     return n
 
 

@@ -23,7 +23,7 @@ file->zone mapping itself is looked up afresh, under ``Store.lock``, for every r
 Zones out of service (``Store.bad_zones``) are never served from here.  Files with buffered
 (unwritten) bytes are not read ahead.
 
-Memory: at most ``MAX_FILES`` files, each with at most ``AHEAD`` windows (plus the one being
+Memory: at most ``MAX_FILES`` files (``ReadAhead.max_files``), each with at most ``AHEAD`` windows (plus the one being
 served) ahead and, while all files hold less than ``BEHIND_BUDGET``, ``KEEP_BEHIND``
 bytes behind the reader held; the buffers return to ``_iobuf``'s pool when dropped.
 
@@ -138,15 +138,19 @@ def _clip(f: _File, start: int, end: int, min_len: int = CLIP_MIN) -> int:
 
 
 class ReadAhead:
-    def __init__(self, data) -> None:
+    def __init__(self, data, max_files: int = MAX_FILES) -> None:
+        """``max_files``: files with windows at once (``MAX_FILES``; fewer under a memory
+        limit, ``retainzfs.memory``)."""
         self.data = data
+        self.max_files = max_files
+        self.behind_budget = max_files * AHEAD * WINDOW // 2
         self.s = data.s
         self.lock = threading.Lock()
         self.files: OrderedDict[int, _File] = OrderedDict()
         # one per file: the disk serves parallel reads faster (8 readers of 128 MiB here:
         # 3 threads 2.0 s, 8 threads 1.3 s, 16 threads 1.1 s, a plain file 0.84 s); 16 took
         # the daemon to 280 MiB peak in bench_io, too close to the 300 MiB target
-        self.pool = ThreadPoolExecutor(max_workers=MAX_FILES, thread_name_prefix="rz-readahead")
+        self.pool = ThreadPoolExecutor(max_workers=max_files, thread_name_prefix="rz-readahead")
         self.hits = 0
         self.prefetched = 0
 
@@ -190,7 +194,7 @@ class ReadAhead:
         """``KEEP_BEHIND`` while all files' windows hold less than ``BEHIND_BUDGET``, else 0
         (self.lock held)."""
         held = sum(len(g.view) for f in self.files.values() for g in f.segs)
-        return KEEP_BEHIND if held < BEHIND_BUDGET else 0
+        return KEEP_BEHIND if held < self.behind_budget else 0
 
     def pending_for(self, ino: int, off: int, size: int) -> Future | None:
         """A window being read that covers the start of [off, off+size), to wait for."""
@@ -209,7 +213,7 @@ class ReadAhead:
             f = self.files.get(ino)
             if f is None:
                 f = self.files[ino] = _File()
-                while len(self.files) > MAX_FILES:
+                while len(self.files) > self.max_files:
                     self.files.popitem(last=False)
             f.streak = f.streak + size if off == f.last_end else size
             f.last_end = off + size

@@ -49,6 +49,7 @@ from .apply import RecordApplier
 from .recovery import MountRecovery
 from .csums import ZoneChecksums
 from .datapath import DataPath
+from .readahead import MAX_FILES as READAHEAD_FILES
 from .readpath import ReadPath
 from .device import ZoneCond, ZonedDevice
 from .errors import FsError
@@ -104,6 +105,7 @@ class StoreOptions:
     flush_bytes: int = FLUSH_BYTES
     dirty_bytes: int = DIRTY_BYTES
     dirty_expire: float = DIRTY_EXPIRE
+    readahead_files: int = READAHEAD_FILES    # files read ahead at once
     common_admission: bool = False
     fullscan: bool = False
     readonly: bool = False        # status/fsck of an unmounted target: never write repairs

@@ -119,6 +119,13 @@ def print_status(st: dict, path: str) -> None:
         t.add_row("write buffers", f"{_human(st.get('buffered_bytes', 0))} of "
                                    f"{_human(tun['dirty_bytes'])} (dirty_bytes), written back "
                                    f"after {tun['dirty_expire']:g} s (dirty_expire)")
+    mem = tun.get("memory")
+    if mem and mem.get("pool_bytes") is not None:       # a limit below memory.FULL applies
+        from ..memory import TIGHT
+        t.add_row("memory limit", f"{_human(mem['limit'])} ({mem['source']}): readahead for "
+                                  f"{mem['readahead_files']} files, {mem['fuse_threads']} FUSE "
+                                  f"threads, pool {_human(mem['pool_bytes'])}",
+                  style="yellow" if mem["limit"] < TIGHT else None)
     if st.get("capacity_stop"):
         t.add_row("capacity stop", f"yes ({st.get('enospc', 0)} ENOSPC)", style="red")
     if st.get("device_error"):

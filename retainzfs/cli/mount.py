@@ -224,7 +224,7 @@ def _open_store(target: str, ours: dict):
                             gc_reserve=ours.get("gc_reserve", sb.gc_reserve),
                             common_admission=ours.get("common_admission", False),
                             readonly=ours.get("readonly", False))
-        for key in ("flush_bytes", "dirty_bytes", "dirty_expire"):
+        for key in ("flush_bytes", "dirty_bytes", "dirty_expire", "readahead_files"):
             if key in ours:
                 setattr(opts, key, ours[key])
         try:
@@ -269,7 +269,7 @@ def _default_log(mnt: str) -> str:
     return os.path.join(base, f"{name}.log")
 
 
-def _tune_malloc():
+def _tune_malloc(trim_threshold: int = 256 << 20):
     """Keep request buffers on the heap instead of a fresh mmap per FUSE write.
 
     The FUSE binding allocates a new bytes object for every write request below half a
@@ -292,7 +292,7 @@ def _tune_malloc():
         libc = ctypes.CDLL("libc.so.6")
         M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
         libc.mallopt(M_MMAP_THRESHOLD, 64 << 20)
-        libc.mallopt(M_TRIM_THRESHOLD, 256 << 20)
+        libc.mallopt(M_TRIM_THRESHOLD, trim_threshold)
         libc.mallopt(M_ARENA_MAX, 2)
         trim = libc.malloc_trim
     except (OSError, AttributeError):
@@ -314,6 +314,27 @@ def _tune_malloc():
     return idle
 
 
+def _memory_budget(ours: dict):
+    """``memory.detect()``: the buffers sized to the memory limit the daemon runs under (its
+    cgroup's, the host's), said in the log; the aligned-buffer pool capped at once."""
+    from .. import _iobuf
+    from .. import memory
+    b = memory.detect()
+    log = logging.getLogger("retainzfs")
+    if b.pool_bytes is not None:
+        _iobuf.set_pool_limit(b.pool_bytes)
+        log.info("memory limit %d MiB (%s): dirty_bytes %d MiB%s, readahead for %d files, "
+                 "%d FUSE threads, %d MiB of pooled buffers", b.limit >> 20, b.source,
+                 ours.get("dirty_bytes", b.dirty_bytes) >> 20,
+                 " (mount option)" if "dirty_bytes" in ours else "", b.readahead_files,
+                 b.fuse_threads, b.pool_bytes >> 20)
+    if b.limit is not None and b.limit < memory.TIGHT:
+        log.warning("memory limit %d MiB (%s) is below %d MiB: under load the kernel may "
+                    "kill the daemon (the mount then fails every call)", b.limit >> 20,
+                    b.source, memory.TIGHT >> 20)
+    return b
+
+
 def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: int | None) -> int:
     """Open, mount, serve until unmounted; report readiness (or the error) on notify_fd."""
     from .. import fs
@@ -325,7 +346,11 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
             os.close(notify_fd)
 
     log = logging.getLogger("retainzfs")
-    idle = _tune_malloc()
+    budget = _memory_budget(ours)
+    idle = _tune_malloc(256 << 20 if budget.pool_bytes is None
+                        else max(8 << 20, budget.pool_bytes))
+    ours = {**ours, "dirty_bytes": ours.get("dirty_bytes", budget.dirty_bytes),
+            "readahead_files": budget.readahead_files}
     try:
         dev, store = _open_store(target, ours)
     except DeviceError as e:
@@ -372,13 +397,15 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
         store.tuning["image_io"] = ("direct" if getattr(dev, "direct", True) else "buffered")
         store.tuning["dirty_bytes"] = store.opts.dirty_bytes
         store.tuning["dirty_expire"] = store.opts.dirty_expire
+        store.tuning["memory"] = budget.as_dict()
         log.info("mounted %s on %s (allocator=%s, read_ahead_kb=%s, image_io=%s)", target, mnt,
                  store.opts.allocator, ra, store.tuning["image_io"])
         notify("OK")
 
     rc = 0
     try:
-        code = fs.serve(store, ops, mnt, ours.get("sync_interval", 1.0), ready=ready, idle=idle)
+        code = fs.serve(store, ops, mnt, ours.get("sync_interval", 1.0), ready=ready, idle=idle,
+                        max_threads=budget.fuse_threads)
         if code > 0:
             log.info("signal %d: unmounting", code)
         elif code < 0:

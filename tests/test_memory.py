@@ -1,0 +1,192 @@
+"""The daemon's buffers sized to the memory limit it runs under (``retainzfs.memory``): the
+cgroup parsing and the plan as units, then a real mount in a real memory cgroup."""
+from __future__ import annotations
+
+import os
+import pathlib
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import MOUNT, Mount, run, wait_for
+from retainzfs import memory as M
+
+MiB = 1 << 20
+
+
+def _tree(root: pathlib.Path, files: dict[str, str]) -> str:
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return str(root)
+
+
+def test_cgroup_v1_limit_is_the_smallest_on_the_path(tmp_path):
+    root = _tree(tmp_path, {
+        "proc/self/cgroup": "9:name=systemd:/\n4:memory:/pods/a/ctr\n1:cpu:/\n0::/\n",
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712",
+        "sys/fs/cgroup/memory/pods/memory.limit_in_bytes": str(512 * MiB),
+        "sys/fs/cgroup/memory/pods/a/memory.limit_in_bytes": str(300 * MiB),
+        "sys/fs/cgroup/memory/pods/a/ctr/memory.limit_in_bytes": "9223372036854771712",
+        "proc/meminfo": "MemTotal:       24000000 kB\nMemFree: 1 kB\n",
+    })
+    assert M.cgroup_limit(root) == (300 * MiB, "/pods/a")
+    b = M.detect(root)
+    assert (b.limit, b.source) == (300 * MiB, "cgroup /pods/a")
+    assert b.dirty_bytes < M.DIRTY_MAX and b.pool_bytes is not None
+
+
+def test_cgroup_v2_max_and_host_memory(tmp_path):
+    root = _tree(tmp_path, {
+        "proc/self/cgroup": "0::/system.slice/job.service\n",
+        "sys/fs/cgroup/system.slice/memory.max": "max",
+        "sys/fs/cgroup/system.slice/job.service/memory.max": str(200 * MiB),
+        "proc/meminfo": "MemTotal:       24000000 kB\n",
+    })
+    assert M.cgroup_limit(root) == (200 * MiB, "/system.slice/job.service")
+    # no cgroup limit: the host's memory, and at FULL or more every default
+    (tmp_path / "sys/fs/cgroup/system.slice/job.service/memory.max").write_text("max\n")
+    b = M.detect(root)
+    assert (b.limit, b.source) == (24000000 * 1024, "host memory")
+    assert b == M.plan(24000000 * 1024, "host memory") and b.pool_bytes is None
+    assert (b.dirty_bytes, b.readahead_files, b.fuse_threads) == (
+        M.DIRTY_MAX, M.READAHEAD_FILES, M.THREADS_MAX)
+    # a small host limits like a cgroup; garbage and missing files are no limit
+    (tmp_path / "proc/meminfo").write_text("MemTotal:       262144 kB\n")
+    assert M.detect(root).limit == 256 * MiB
+    (tmp_path / "sys/fs/cgroup/system.slice/memory.max").write_text("lots\n")
+    (tmp_path / "proc/meminfo").unlink()
+    assert M.cgroup_limit(root) is None and M.detect(root) == M.plan(None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1 * MiB, 4 << 30), st.integers(1 * MiB, 4 << 30))
+def test_the_plan_fits_the_limit_and_grows_with_it(a, b):
+    lo, hi = sorted((a, b))
+    p, q = M.plan(lo), M.plan(hi)
+    for f in ("dirty_bytes", "readahead_files", "fuse_threads"):
+        assert getattr(p, f) <= getattr(q, f), f
+    assert 4 * MiB <= p.dirty_bytes <= M.DIRTY_MAX and p.dirty_bytes % MiB == 0
+    assert 1 <= p.readahead_files <= M.READAHEAD_FILES and 8 <= p.fuse_threads <= M.THREADS_MAX
+    if lo >= M.FULL:
+        assert p.pool_bytes is None
+        return
+    assert 4 * MiB <= p.pool_bytes <= M.POOL_MAX
+    if lo >= M.TIGHT:          # what the pools can hold at most, with the daemon's own, fits
+        worst = (M.BASE + p.dirty_bytes + p.readahead_files * M.READAHEAD_FILE
+                 + p.fuse_threads * M.THREAD_BYTES + p.pool_bytes)
+        assert worst <= lo, (lo, p)
+
+
+# ------------------------------------------------------------------ a real memory cgroup
+
+def _memory_cgroup(name: str, limit: int) -> tuple[pathlib.Path, str]:
+    """A fresh memory cgroup limited to ``limit`` bytes: (its directory, the file a pid is
+    written to).  v1 (``memory`` hierarchy) or v2; skipped when neither can be made (root,
+    a writable cgroup file system), failed under CI=true."""
+    why = None
+    v1 = pathlib.Path("/sys/fs/cgroup/memory")
+    v2 = pathlib.Path("/sys/fs/cgroup")
+    try:
+        if (v1 / "memory.limit_in_bytes").exists():
+            d = v1 / name
+            d.mkdir(exist_ok=True)
+            (d / "memory.limit_in_bytes").write_text(str(limit))
+            return d, "memory.limit_in_bytes"
+        if "memory" in (v2 / "cgroup.controllers").read_text().split():
+            if "memory" not in (v2 / "cgroup.subtree_control").read_text().split():
+                (v2 / "cgroup.subtree_control").write_text("+memory")
+            d = v2 / name
+            d.mkdir(exist_ok=True)
+            (d / "memory.max").write_text(str(limit))
+            return d, "memory.max"
+        why = "no memory cgroup controller"
+    except OSError as e:
+        why = f"cannot make a memory cgroup: {e}"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{why} (CI=true: this test must run)")
+    pytest.skip(why)
+
+
+def _oom_kills(d: pathlib.Path) -> int:
+    for name in ("memory.oom_control", "memory.events"):
+        try:
+            for line in (d / name).read_text().splitlines():
+                k, _, v = line.partition(" ")
+                if k == "oom_kill":
+                    return int(v)
+        except OSError:
+            continue
+    return 0
+
+
+def test_a_daemon_under_a_memory_limit_sizes_its_buffers_to_it(make_image, tmp_path):
+    """16 writers and 8 readers of 128 MiB files through a daemon in a 256 MiB memory cgroup.
+    Before, the daemon reached ~335 MiB on this load (its buffers were sized for the host):
+    the OOM killer ended it within a second and every process got ENOTCONN.  Now it reads the
+    limit at mount, sizes write buffers, readahead, FUSE threads and its buffer pool to it,
+    says so in ``status``, and the load completes with every byte right."""
+    limit = 256 * MiB
+    d, knob = _memory_cgroup(f"retainzfs-test-{os.getpid()}", limit)
+    img = make_image("8G", "64M")
+    mnt = tmp_path / "m"
+    mnt.mkdir()
+    m = Mount(img, mnt)
+    try:
+        run("sh", "-c", f'echo $$ > {d / "cgroup.procs"} && exec {MOUNT} "$0" "$1" -o log="$2"',
+            img, mnt, m.log)
+        assert wait_for(lambda: m.status().get("tuning", {}).get("memory"), 15)
+        mem = m.status()["tuning"]["memory"]
+        assert mem["limit"] == limit and mem["source"].startswith("cgroup /")
+        assert mem == M.plan(limit, mem["source"]).as_dict()
+        assert m.status()["tuning"]["dirty_bytes"] == mem["dirty_bytes"] < M.DIRTY_MAX
+        kills = _oom_kills(d)
+        size = 128
+        for i in range(8):                 # the readers' files, then out of every cache
+            with open(mnt / f"r{i}", "wb") as f:
+                for _ in range(size):
+                    f.write(bytes([i]) * MiB)
+        run("sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches")
+        errors: list = []
+
+        def write(i: int) -> None:
+            try:
+                with open(mnt / f"w{i}", "wb") as f:
+                    for _ in range(size):
+                        f.write(bytes([100 + i]) * MiB)
+            except OSError as e:
+                errors.append(("write", i, e))
+
+        def read(i: int) -> None:
+            try:
+                with open(mnt / f"r{i}", "rb") as f:
+                    n = 0
+                    while chunk := f.read(MiB):
+                        n += chunk.count(bytes([i]))
+                    if n != size * MiB:
+                        errors.append(("read", i, n))
+            except OSError as e:
+                errors.append(("read", i, e))
+        ts = ([threading.Thread(target=write, args=(i,)) for i in range(16)]
+              + [threading.Thread(target=read, args=(i,)) for i in range(8)])
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert not errors, errors[:3]
+        assert _oom_kills(d) == kills, "the daemon's cgroup saw an OOM kill"
+        assert m.status()["daemon"]["peak_rss_bytes"] < limit
+        assert "memory limit" in run("retainzfs", "status", mnt).stdout
+        m.remount()                        # (outside the cgroup now: every byte is there)
+        for i in range(16):
+            with open(mnt / f"w{i}", "rb") as f:
+                assert f.read().count(bytes([100 + i])) == size * MiB
+    finally:
+        m.teardown()
+        try:
+            d.rmdir()
+        except OSError:
+            pass
