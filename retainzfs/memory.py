@@ -22,8 +22,11 @@ from .readahead import AHEAD, MAX_FILES, WINDOW
 from .store import DIRTY_BYTES
 
 MiB = 1 << 20
-#: the daemon's own: the interpreter, its modules, the metadata of a tree of some 10^4 files
+#: the daemon's own at least: the interpreter and its modules (``mount`` measures what it holds
+#: once the metadata is loaded, ~1.3 KiB a file, and takes the larger, plus ``GROWTH``)
 BASE = 48 * MiB
+#: room for the metadata of files created after the mount
+GROWTH = 16 * MiB
 #: a limit at or above this leaves every default as it is
 FULL = 1 << 30
 #: below this the daemon is likely to be killed under load whatever it sizes: said at mount
@@ -40,6 +43,7 @@ POOL_MAX = 96 * MiB            # what the pool keeps of the 1 MiB class alone (`
 class Budget:
     limit: int | None       # bytes, None when nothing limits the daemon below FULL
     source: str             # where the limit comes from ("cgroup /x", "host", "none")
+    base: int               # bytes counted as the daemon's own (at least BASE)
     dirty_bytes: int
     readahead_files: int
     fuse_threads: int
@@ -53,14 +57,16 @@ def _clamp(v: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, v))
 
 
-def plan(limit: int | None, source: str = "none") -> Budget:
-    """The buffer sizes for a daemon limited to ``limit`` bytes: of what is left beyond
-    ``BASE``, 30% for write buffers, 20% for readahead, 20% for FUSE threads, 10% for the
-    pool; the rest is slack for what no pool bounds (request objects, malloc's arenas)."""
+def plan(limit: int | None, source: str = "none", base: int = BASE) -> Budget:
+    """The buffer sizes for a daemon limited to ``limit`` bytes that holds ``base`` bytes of
+    its own: of what is left, 30% for write buffers, 20% for readahead, 20% for FUSE threads,
+    10% for the pool; the rest is slack for what no pool bounds (request objects, malloc's
+    arenas)."""
+    base = max(base, BASE)
     if limit is None or limit >= FULL:
-        return Budget(limit, source, DIRTY_MAX, READAHEAD_FILES, THREADS_MAX, None)
-    spare = max(0, limit - BASE)
-    return Budget(limit, source,
+        return Budget(limit, source, base, DIRTY_MAX, READAHEAD_FILES, THREADS_MAX, None)
+    spare = max(0, limit - base)
+    return Budget(limit, source, base,
                   dirty_bytes=_clamp(spare * 3 // 10 // MiB * MiB, 4 * MiB, DIRTY_MAX),
                   readahead_files=_clamp(spare // 5 // READAHEAD_FILE, 1, READAHEAD_FILES),
                   fuse_threads=_clamp(spare // 5 // THREAD_BYTES, 8, THREADS_MAX),
@@ -117,8 +123,14 @@ def host_memory(root: str = "/") -> int | None:
     return None
 
 
-def detect(root: str = "/") -> Budget:
-    """The budget of a daemon started now in this process's cgroup."""
+def resident() -> int:
+    """This process's resident memory now (bytes)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def detect(root: str = "/", base: int = BASE) -> Budget:
+    """The budget of a daemon in this process's cgroup that holds ``base`` bytes itself."""
     best: tuple[int, str] | None = None
     cg = cgroup_limit(root)
     if cg is not None:
@@ -126,4 +138,4 @@ def detect(root: str = "/") -> Budget:
     host = host_memory(root)
     if host is not None and (best is None or host < best[0]):
         best = (host, "host memory")
-    return plan(*best) if best else plan(None)
+    return plan(*best, base=base) if best else plan(None)

@@ -142,8 +142,7 @@ class ReadAhead:
         """``max_files``: files with windows at once (``MAX_FILES``; fewer under a memory
         limit, ``retainzfs.memory``)."""
         self.data = data
-        self.max_files = max_files
-        self.behind_budget = max_files * AHEAD * WINDOW // 2
+        self.resize(max_files)
         self.s = data.s
         self.lock = threading.Lock()
         self.files: OrderedDict[int, _File] = OrderedDict()
@@ -153,6 +152,12 @@ class ReadAhead:
         self.pool = ThreadPoolExecutor(max_workers=max_files, thread_name_prefix="rz-readahead")
         self.hits = 0
         self.prefetched = 0
+
+    def resize(self, max_files: int) -> None:
+        """Files with windows at most from now on (the mount's memory budget, known once the
+        metadata is loaded); the least recently read lose theirs at their next miss."""
+        self.max_files = max_files
+        self.behind_budget = max_files * AHEAD * WINDOW // 2
 
     # ------------------------------------------------------------------ serving
     def hit_locked(self, ino: int, off: int, size: int, segs: list) -> object | None:

@@ -27,7 +27,7 @@ log = logging.getLogger("retainzfs")
 class ReadPath:
     def __init__(self, store):
         self.s = store
-        self.ra = ReadAhead(self, store.opts.readahead_files)
+        self.ra = ReadAhead(self)
 
     def read(self, ino: int, off: int, size: int, view: bool = False) -> Buffer:
         """Bytes of a file; with ``view`` any buffer (the FUSE reply: on the O_DIRECT path the

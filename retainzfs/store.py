@@ -49,7 +49,6 @@ from .apply import RecordApplier
 from .recovery import MountRecovery
 from .csums import ZoneChecksums
 from .datapath import DataPath
-from .readahead import MAX_FILES as READAHEAD_FILES
 from .readpath import ReadPath
 from .device import ZoneCond, ZonedDevice
 from .errors import FsError
@@ -105,7 +104,6 @@ class StoreOptions:
     flush_bytes: int = FLUSH_BYTES
     dirty_bytes: int = DIRTY_BYTES
     dirty_expire: float = DIRTY_EXPIRE
-    readahead_files: int = READAHEAD_FILES    # files read ahead at once
     common_admission: bool = False
     fullscan: bool = False
     readonly: bool = False        # status/fsck of an unmounted target: never write repairs

@@ -63,10 +63,13 @@ def test_cgroup_v2_max_and_host_memory(tmp_path):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1 * MiB, 4 << 30), st.integers(1 * MiB, 4 << 30))
-def test_the_plan_fits_the_limit_and_grows_with_it(a, b):
+@given(st.integers(1 * MiB, 4 << 30), st.integers(1 * MiB, 4 << 30),
+       st.integers(0, 512 * MiB), st.integers(0, 512 * MiB))
+def test_the_plan_fits_the_limit_and_grows_with_it(a, b, base, more):
+    """More memory never gets smaller buffers, nor does a smaller daemon; below FULL the
+    pools at their fullest fit the limit with the daemon's own (when that leaves room)."""
     lo, hi = sorted((a, b))
-    p, q = M.plan(lo), M.plan(hi)
+    p, q = M.plan(lo, base=base + more), M.plan(hi, base=base)
     for f in ("dirty_bytes", "readahead_files", "fuse_threads"):
         assert getattr(p, f) <= getattr(q, f), f
     assert 4 * MiB <= p.dirty_bytes <= M.DIRTY_MAX and p.dirty_bytes % MiB == 0
@@ -75,8 +78,8 @@ def test_the_plan_fits_the_limit_and_grows_with_it(a, b):
         assert p.pool_bytes is None
         return
     assert 4 * MiB <= p.pool_bytes <= M.POOL_MAX
-    if lo >= M.TIGHT:          # what the pools can hold at most, with the daemon's own, fits
-        worst = (M.BASE + p.dirty_bytes + p.readahead_files * M.READAHEAD_FILE
+    if lo >= M.TIGHT and lo - p.base >= 96 * MiB:   # (the minimums alone take ~24 MiB)
+        worst = (p.base + p.dirty_bytes + p.readahead_files * M.READAHEAD_FILE
                  + p.fuse_threads * M.THREAD_BYTES + p.pool_bytes)
         assert worst <= lo, (lo, p)
 
@@ -141,7 +144,9 @@ def test_a_daemon_under_a_memory_limit_sizes_its_buffers_to_it(make_image, tmp_p
         assert wait_for(lambda: m.status().get("tuning", {}).get("memory"), 15)
         mem = m.status()["tuning"]["memory"]
         assert mem["limit"] == limit and mem["source"].startswith("cgroup /")
-        assert mem == M.plan(limit, mem["source"]).as_dict()
+        # the daemon's own: what it held with the metadata loaded, and room to grow
+        assert M.BASE <= mem["base"] < 128 * MiB
+        assert mem == M.plan(limit, mem["source"], mem["base"]).as_dict()
         assert m.status()["tuning"]["dirty_bytes"] == mem["dirty_bytes"] < M.DIRTY_MAX
         kills = _oom_kills(d)
         size = 128

@@ -224,7 +224,7 @@ def _open_store(target: str, ours: dict):
                             gc_reserve=ours.get("gc_reserve", sb.gc_reserve),
                             common_admission=ours.get("common_admission", False),
                             readonly=ours.get("readonly", False))
-        for key in ("flush_bytes", "dirty_bytes", "dirty_expire", "readahead_files"):
+        for key in ("flush_bytes", "dirty_bytes", "dirty_expire"):
             if key in ours:
                 setattr(opts, key, ours[key])
         try:
@@ -269,7 +269,7 @@ def _default_log(mnt: str) -> str:
     return os.path.join(base, f"{name}.log")
 
 
-def _tune_malloc(trim_threshold: int = 256 << 20):
+def _tune_malloc():
     """Keep request buffers on the heap instead of a fresh mmap per FUSE write.
 
     The FUSE binding allocates a new bytes object for every write request below half a
@@ -282,7 +282,9 @@ def _tune_malloc(trim_threshold: int = 256 << 20):
     own: after bench_io's 8 writers then 8 readers the daemon held 229-237 MiB, with two
     207-210 MiB.  (Aligned I/O buffers do not come from the heap at all: ``_iobuf``.)
 
-    Returns the periodic tick's hook (``fs.serve(idle=...)``) that gives the heap's free pages
+    Returns (None, None) without glibc, else the periodic tick's hook and ``trim_at``, which
+    lowers the trim threshold under a memory budget.  The hook (``fs.serve(idle=...)``) gives
+    the heap's free pages
     back (``malloc_trim``, and ``_iobuf.pool_trim`` for the pooled aligned buffers) once a
     burst of writes is over: the buffers' heap is only reused,
     never returned, so a daemon that had written 2,000 files at once stayed at 450 MiB while
@@ -292,11 +294,11 @@ def _tune_malloc(trim_threshold: int = 256 << 20):
         libc = ctypes.CDLL("libc.so.6")
         M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
         libc.mallopt(M_MMAP_THRESHOLD, 64 << 20)
-        libc.mallopt(M_TRIM_THRESHOLD, trim_threshold)
+        libc.mallopt(M_TRIM_THRESHOLD, 256 << 20)
         libc.mallopt(M_ARENA_MAX, 2)
         trim = libc.malloc_trim
     except (OSError, AttributeError):
-        return None
+        return None, None
     from .. import _iobuf
     seen = {"tick": 0, "trim": 0}
 
@@ -311,16 +313,25 @@ def _tune_malloc(trim_threshold: int = 256 << 20):
             seen["trim"] = written
             trim(0)
             _iobuf.pool_trim()          # the write requests' aligned buffers, too
-    return idle
+
+    def trim_at(n: int) -> None:
+        """Free heap above ``n`` bytes goes back at once (a memory budget: ``serve``)."""
+        libc.mallopt(M_TRIM_THRESHOLD, n)
+    return idle, trim_at
 
 
-def _memory_budget(ours: dict):
-    """``memory.detect()``: the buffers sized to the memory limit the daemon runs under (its
-    cgroup's, the host's), said in the log; the aligned-buffer pool capped at once."""
+def _memory_budget(store, ours: dict):
+    """``memory.detect``: the buffers sized to the memory limit the daemon runs under (its
+    cgroup's, the host's) less what it holds with the metadata loaded, applied to the open
+    store (write buffers unless ``dirty_bytes`` was given, readahead, the aligned-buffer
+    pool; the FUSE threads by ``serve``) and said in the log."""
     from .. import _iobuf
     from .. import memory
-    b = memory.detect()
+    b = memory.detect(base=memory.resident() + memory.GROWTH)
     log = logging.getLogger("retainzfs")
+    if "dirty_bytes" not in ours:
+        store.opts.dirty_bytes = b.dirty_bytes
+    store.reads.ra.resize(b.readahead_files)
     if b.pool_bytes is not None:
         _iobuf.set_pool_limit(b.pool_bytes)
         log.info("memory limit %d MiB (%s): dirty_bytes %d MiB%s, readahead for %d files, "
@@ -346,11 +357,7 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
             os.close(notify_fd)
 
     log = logging.getLogger("retainzfs")
-    budget = _memory_budget(ours)
-    idle = _tune_malloc(256 << 20 if budget.pool_bytes is None
-                        else max(8 << 20, budget.pool_bytes))
-    ours = {**ours, "dirty_bytes": ours.get("dirty_bytes", budget.dirty_bytes),
-            "readahead_files": budget.readahead_files}
+    idle, trim_at = _tune_malloc()
     try:
         dev, store = _open_store(target, ours)
     except DeviceError as e:
@@ -364,6 +371,9 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
         if notify_fd is None:
             die(f"{target}: {e}")
         return 1
+    budget = _memory_budget(store, ours)
+    if trim_at is not None and budget.pool_bytes is not None:
+        trim_at(max(8 << 20, budget.pool_bytes))
     store.report.serving = True            # status reports this daemon (memory, CPU)
     if ours.get("metrics"):
         from ..metrics import serve_metrics
