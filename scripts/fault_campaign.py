@@ -545,31 +545,9 @@ def wait_for(pred, timeout=15.0, interval=0.02) -> bool:
 
 
 def daemon_pids(img: str) -> list[int]:
-    """Live mount.retainzfs daemons holding img open (as tests/conftest.py daemon_pids)."""
-    want = os.path.realpath(img)
-    pids = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                argv = [x.decode(errors="replace") for x in f.read().split(b"\0") if x]
-            if not any("mount.retainzfs" in x or x == "retainzfs.cli.mount"
-                       or x.endswith("retainzfs/cli/mount.py") for x in argv[:3]):
-                continue
-            if not alive(int(d)):
-                continue
-            fds = os.listdir(f"/proc/{d}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{d}/fd/{fd}") == want:
-                    pids.append(int(d))
-                    break
-            except OSError:
-                pass
-    return pids
+    """Live mount.retainzfs daemons holding img open."""
+    from retainzfs.cli.common import daemons_holding
+    return daemons_holding(img)
 
 
 def image_locked(img: str) -> bool:

@@ -25,6 +25,7 @@ import time
 import pytest
 import xattr
 from retainzfs import hints as H
+from retainzfs.cli.common import daemons_holding
 
 MKFS = shutil.which("mkfs.retainzfs") or "mkfs.retainzfs"
 MOUNT = shutil.which("mount.retainzfs") or "mount.retainzfs"
@@ -53,35 +54,8 @@ def is_mounted(path) -> bool:
 
 
 def daemon_pids(img, mnt=None) -> list[int]:
-    """Pids of live mount.retainzfs daemons holding ``img`` open (the daemon chdirs to / and
-    may have been started with relative paths, so match the open image, not argv)."""
-    want_img = os.path.realpath(img)
-    pids = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-            if not any("mount.retainzfs" in a or a == "retainzfs.cli.mount"
-                       or a.endswith("retainzfs/cli/mount.py") for a in argv[:3]):
-                continue
-            with open(f"/proc/{d}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue
-            fds = os.listdir(f"/proc/{d}/fd")
-        except OSError:
-            continue
-        if any(_readlink(f"/proc/{d}/fd/{fd}") == want_img for fd in fds):
-            pids.append(int(d))
-    return pids
-
-
-def _readlink(p: str) -> str | None:
-    try:
-        return os.readlink(p)
-    except OSError:
-        return None
+    """Pids of live mount.retainzfs daemons holding ``img`` open."""
+    return daemons_holding(str(img))
 
 
 def image_locked(img) -> bool:
