@@ -23,9 +23,10 @@ file->zone mapping itself is looked up afresh, under ``Store.lock``, for every r
 Zones out of service (``Store.bad_zones``) are never served from here.  Files with buffered
 (unwritten) bytes are not read ahead.
 
-Memory: at most ``MAX_FILES`` files (``ReadAhead.max_files``), each with at most ``AHEAD`` windows (plus the one being
-served) ahead and, while all files hold less than ``BEHIND_BUDGET``, ``KEEP_BEHIND``
-bytes behind the reader held; the buffers return to ``_iobuf``'s pool when dropped.
+Memory: at most ``ReadAhead.max_files`` files (``MAX_FILES``, fewer under a memory limit),
+each with at most ``AHEAD`` windows (plus the one being served) ahead and, while all files
+hold less than ``ReadAhead.behind_budget``, ``KEEP_BEHIND`` bytes behind the reader held; the
+buffers return to ``_iobuf``'s pool when dropped.
 
 Locks: ``ReadAhead.lock`` (a plain Lock, innermost: taken under ``Store.lock`` or alone, never
 around device I/O or another lock).  Prefetches run on the ``rz-readahead`` threads (one per file).
@@ -49,10 +50,10 @@ AHEAD = 3               # windows kept read (or being read) ahead of the reader
 MAX_FILES = 8           # files with readahead state (LRU)
 #: bytes of windows kept behind the reader (the furthest behind go first): a DCP load reads
 #: items in dictionary order and comes back for bytes just behind where it was; only while
-#: all files together hold less than BEHIND_BUDGET (8 sequential readers' windows ahead
-#: already do: keeping 8 MiB behind each took the daemon to 319 MiB in bench_io)
+#: all files together hold less than half of what their windows ahead can (``behind_budget``;
+#: 8 sequential readers' windows ahead reach it: keeping 8 MiB behind each took the daemon to
+#: 319 MiB in bench_io)
 KEEP_BEHIND = 2 * WINDOW
-BEHIND_BUDGET = MAX_FILES * AHEAD * WINDOW // 2
 #: bytes read in sequence before the windows start: more than the kernel's own readaround of
 #: one mmap fault (``read_ahead_kb``, 4 MiB), so random page faults never trigger them
 START = 8 * MiB
@@ -196,7 +197,7 @@ class ReadAhead:
         return assemble(parts, size)       # a hole reads as zeros, as in ReadPath.read
 
     def _keep_behind_locked(self) -> int:
-        """``KEEP_BEHIND`` while all files' windows hold less than ``BEHIND_BUDGET``, else 0
+        """``KEEP_BEHIND`` while all files' windows hold less than ``behind_budget``, else 0
         (self.lock held)."""
         held = sum(len(g.view) for f in self.files.values() for g in f.segs)
         return KEEP_BEHIND if held < self.behind_budget else 0
