@@ -388,6 +388,15 @@ cdef void h_getattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept
 
 
 cdef long long _ns(timespec ts) noexcept nogil:
+    """A client's time in the int64 nanoseconds the inode record keeps (years 1677..2262).
+
+    Outside that range it is clamped to the nearest end, as the kernel clamps a time to what
+    ext4 or XFS can store, instead of wrapping round to a date on the other side of 1970.
+    """
+    if ts.tv_sec > 9223372035LL:
+        return 9223372036854775807LL
+    if ts.tv_sec < -9223372036LL:
+        return -9223372036854775807LL - 1
     return <long long>ts.tv_sec * 1000000000 + ts.tv_nsec
 
 

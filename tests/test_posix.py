@@ -445,6 +445,52 @@ def test_chmod_utime(mounted):
     assert os.stat(mounted / "touched").st_mtime == 981173106
 
 
+I64 = (1 << 63) - 1
+
+
+@pytest.mark.parametrize("sec,nsec,want", [
+    (-1, 123_456_789, -876_543_211),                              # just before 1970
+    (-(1 << 31), 5, -(1 << 31) * 10**9 + 5),                      # 1901, ext4's floor
+    (1 << 33, 999_999_999, (1 << 33) * 10**9 + 999_999_999),      # 2242
+    (9_223_372_035, 999_999_999, 9_223_372_035_999_999_999),      # the last whole second kept
+    (9_223_372_036, 0, I64),                                      # 2262: clamped, not wrapped
+    (253_402_300_799, 0, I64),                                    # 9999-12-31
+    (-9_223_372_036, 0, -9_223_372_036 * 10**9),                  # 1677
+    (-9_223_372_037, 0, -I64 - 1),
+    (-(1 << 40), 1, -I64 - 1),                                    # 34,000 years ago
+])
+def test_times_outside_what_is_kept_are_clamped_not_wrapped(mounted, sec, nsec, want):
+    """The record keeps int64 nanoseconds; `touch -d 9999-12-31` once came back as 1823."""
+    p = mounted / "f"
+    write_file(p, b"x")
+    os.utime(p, ns=(sec * 10**9 + nsec, sec * 10**9 + nsec))
+    st = os.stat(p)
+    assert (st.st_atime_ns, st.st_mtime_ns) == (want, want)
+    assert (st.st_mtime_ns >= 0) == (sec >= 0)
+    mounted.remount()
+    st = os.stat(p)
+    assert (st.st_atime_ns, st.st_mtime_ns) == (want, want)
+
+
+def test_names_are_bytes_not_text(mounted):
+    """Names are any bytes but '/' and NUL (an archive from another locale), kept as given."""
+    root = os.fsencode(str(mounted))
+    names = [b"\xff\xfe\x80latin1-\xe9", b"a\nb\tc", b"\xed\xa0\x80", b"-" * 255]
+    for i, n in enumerate(names):
+        with open(root + b"/" + n, "wb") as f:
+            f.write(n * (i + 1))
+    os.mkdir(root + b"/\xc3\x28dir")
+    os.rename(root + b"/" + names[0], root + b"/\xc3\x28dir/\xa0")
+    mounted.remount()
+    assert sorted(os.listdir(root)) == sorted(names[1:] + [b"\xc3\x28dir"])
+    assert open(root + b"/\xc3\x28dir/\xa0", "rb").read() == names[0]
+    for i, n in enumerate(names[1:], 1):
+        assert open(root + b"/" + n, "rb").read() == n * (i + 1)
+    with pytest.raises(OSError) as ei:
+        open(root + b"/" + b"x" * 256, "wb")
+    assert ei.value.errno == errno.ENAMETOOLONG
+
+
 def test_stable_st_ino(mounted):
     names = ["a", "b", "d", "d/e", "d/f"]
     (mounted / "d").mkdir()
