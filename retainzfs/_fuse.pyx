@@ -82,6 +82,70 @@ cdef extern from *:
         fi->direct_io = direct_io ? 1 : 0;
         fi->keep_cache = keep_cache ? 1 : 0;
     }
+    /* libfuse's own messages go to stderr (the daemon's log) with a time and a level, as
+     * Python's logging writes its lines, and a message repeated within a minute is counted,
+     * not written: under a pids limit libfuse says "error creating thread" at every request
+     * that finds no idle thread (3,146 lines in 3 s of 16 writers before). */
+    #include <stdarg.h>
+    #include <stdio.h>
+    #include <string.h>
+    #include <pthread.h>
+    #include <sys/time.h>
+    static pthread_mutex_t rz_log_mu = PTHREAD_MUTEX_INITIALIZER;
+    static char rz_log_last[512];
+    static unsigned long rz_log_repeats = 0;
+    static time_t rz_log_at = 0;
+    static const char *rz_log_level_name(enum fuse_log_level level) {
+        return level <= FUSE_LOG_ERR ? "ERROR" : level == FUSE_LOG_WARNING ? "WARNING"
+             : level == FUSE_LOG_DEBUG ? "DEBUG" : "INFO";
+    }
+    static void rz_log_line(enum fuse_log_level level, const char *msg) {
+        struct timeval tv;
+        struct tm tm;
+        char when[32];
+        gettimeofday(&tv, NULL);
+        localtime_r(&tv.tv_sec, &tm);
+        strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", &tm);
+        fprintf(stderr, "%s,%03d %s libfuse: %s\\n", when, (int)(tv.tv_usec / 1000),
+                rz_log_level_name(level), msg);
+        fflush(stderr);
+    }
+    static void rz_log_flush_repeats_locked(void) {
+        char note[600];
+        if (rz_log_repeats) {
+            snprintf(note, sizeof note, "%s (%lu more times)", rz_log_last, rz_log_repeats);
+            rz_log_line(FUSE_LOG_WARNING, note);
+            rz_log_repeats = 0;
+        }
+    }
+    static void rz_fuse_log(enum fuse_log_level level, const char *fmt, va_list ap) {
+        char msg[512];
+        size_t n;
+        time_t now = time(NULL);
+        vsnprintf(msg, sizeof msg, fmt, ap);
+        n = strlen(msg);
+        while (n && (msg[n - 1] == '\\n' || msg[n - 1] == ' '))
+            msg[--n] = 0;
+        if (strncmp(msg, "fuse: ", 6) == 0)
+            memmove(msg, msg + 6, n - 5);
+        pthread_mutex_lock(&rz_log_mu);
+        if (strcmp(msg, rz_log_last) == 0 && now - rz_log_at < 60) {
+            rz_log_repeats++;
+        } else {
+            rz_log_flush_repeats_locked();
+            rz_log_line(level, msg);
+            memcpy(rz_log_last, msg, sizeof msg);
+            rz_log_at = now;
+        }
+        pthread_mutex_unlock(&rz_log_mu);
+    }
+    static void rz_log_install(void) { fuse_set_log_func(rz_fuse_log); }
+    static void rz_log_flush(void) {
+        pthread_mutex_lock(&rz_log_mu);
+        rz_log_flush_repeats_locked();
+        rz_log_last[0] = 0;
+        pthread_mutex_unlock(&rz_log_mu);
+    }
     static void rz_init_conn(struct fuse_conn_info *conn) {
         conn->want &= ~FUSE_CAP_READDIRPLUS_AUTO;
         if (conn->capable & FUSE_CAP_EXPORT_SUPPORT)
@@ -94,6 +158,8 @@ cdef extern from *:
     }
     """
     void rz_attach() nogil
+    void rz_log_install()
+    void rz_log_flush() nogil
 
     ctypedef uint64_t fuse_ino_t
     struct fuse_req:
@@ -868,6 +934,7 @@ def mount(ops, str mountpoint, options) -> None:
     global _ops, _se
     if _se != NULL:
         raise RuntimeError("a FUSE session is already mounted in this process")
+    rz_log_install()
     memset(&_llops, 0, sizeof(_llops))
     _llops.init = ll_init
     _llops.lookup = ll_lookup
@@ -962,5 +1029,6 @@ def close(bint unmount=True) -> None:
         if unmount:
             fuse_session_unmount(_se)
         fuse_session_destroy(_se)
+        rz_log_flush()
     _se = NULL
     _ops = None

@@ -80,7 +80,10 @@ class Operations:
 
     def init(self) -> None:
         """FUSE INIT: runs before libfuse replies, so settings the kernel derives from the reply
-        (the bdi's readahead) are made later (``serve``'s ``ready``)."""
+        (the bdi's readahead) are made later (``serve``'s ``ready``).  The store's worker
+        threads start here, after libfuse's first thread and the periodic sync's, so a tight
+        pids limit leaves those two and takes from the pools (``workers.Workers``)."""
+        self.store.start_workers()
         self.initialized.set()
 
     # -- attributes --

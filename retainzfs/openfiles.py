@@ -19,13 +19,13 @@ import errno
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from time import time_ns as now_ns
 
 from . import hints as H
 from . import records as R
 from .errors import FsError
 from .room import Room
+from .workers import Workers
 
 log = logging.getLogger("retainzfs")
 
@@ -39,7 +39,8 @@ class OpenFiles:
         # Four workers: staging (copy, checksums) and the device write run without locks
         # (io_lock only to place), so several files' 4 MiB writes are on the disk at once:
         # 2.7 in flight on average with 8 writers (1.4 with two workers).
-        self.flusher = ThreadPoolExecutor(max_workers=FLUSH_WORKERS, thread_name_prefix="rz-flush")
+        # (started now: ``workers.Workers``; fewer under a pids limit, none: writers flush)
+        self.flusher = Workers(FLUSH_WORKERS, "rz-flush")
         self._busy = 0                        # background flushes queued or running (Store.lock)
         # Store.lock: memory in write buffers, their bytes and the arena room their parts
         # keep alive (``WriteBuffer.slack``; added on append, taken off when a flush drops
@@ -209,7 +210,7 @@ class OpenFiles:
         writes, even for a single file; with many files, each keeps one (bounded RAM).
         With ``StoreOptions.inline_flush`` the caller's thread flushes, in turn."""
         s = self.s
-        if s.opts.inline_flush:
+        if s.opts.inline_flush or not self.flusher.size:
             self.flush_data(ino, final=False)
             return
         with s.lock:
@@ -219,15 +220,20 @@ class OpenFiles:
             prev, older = inode.flushing, inode.flushing_prev
         if older is not None:
             older.result()                    # never three chunks of one file in flight
-        if prev is not None and self._busy >= FLUSH_WORKERS:
+        if prev is not None and self._busy >= self.flusher.size:
             prev.result()
         self.check_flush_error(ino)
         with s.lock:
             inode = s.inodes.get(ino)
-            if inode is not None:
+            if inode is None:
+                return
+            fut = self.flusher.submit(self._bg_flush, ino)
+            if fut is not None:
                 self._busy += 1
                 inode.flushing_prev = inode.flushing
-                inode.flushing = self.flusher.submit(self._bg_flush, ino)
+                inode.flushing = fut
+                return
+        self.flush_data(ino, final=False)         # shut down (unmount): this thread flushes
 
     def _bg_flush(self, ino: int) -> None:
         s = self.s

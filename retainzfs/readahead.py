@@ -37,10 +37,11 @@ import logging
 import threading
 from bisect import bisect_left
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from ._iobuf import assemble
 from .errors import FsError, StaleRead
+from .workers import Workers
 
 log = logging.getLogger("retainzfs")
 
@@ -150,7 +151,8 @@ class ReadAhead:
         # one per file: the disk serves parallel reads faster (8 readers of 128 MiB here:
         # 3 threads 2.0 s, 8 threads 1.3 s, 16 threads 1.1 s, a plain file 0.84 s); 16 took
         # the daemon to 280 MiB peak in bench_io, too close to the 300 MiB target
-        self.pool = ThreadPoolExecutor(max_workers=max_files, thread_name_prefix="rz-readahead")
+        # (started now: ``workers.Workers``; fewer under a pids limit, none: no readahead)
+        self.pool = Workers(max_files, "rz-readahead")
         self.hits = 0
         self.prefetched = 0
 
@@ -274,10 +276,8 @@ class ReadAhead:
             if f is None:
                 return
             f.pending.append((start, end, fut))
-        try:
-            self.pool.submit(self._prefetch, ino, start, end, fut)
-        except RuntimeError:               # shutting down
-            self._done(ino, fut)
+        if self.pool.submit(self._prefetch, ino, start, end, fut) is None:
+            self._done(ino, fut)           # no reader thread (shut down, or none started)
             fut.set_result(None)
 
     def _done(self, ino: int, fut: Future) -> None:

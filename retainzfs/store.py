@@ -337,6 +337,11 @@ class Store:
         """Zones emptied by a deletion wait for ``reset_empty_zones``."""
         return bool(self.reclaim.pending)
 
+    def start_workers(self) -> None:
+        """Start the flush and readahead threads (else at their first use)."""
+        self.files.flusher.start()
+        self.reads.ra.pool.start()
+
     @property
     def _flusher(self):
         return self.files.flusher
