@@ -173,7 +173,9 @@ def parse_policy(data: bytes) -> Policy:
         doc = tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError:
         raise HintError(".retainz: not UTF-8 text") from None
-    except tomllib.TOMLDecodeError as e:
+    except RecursionError:                # (tomllib recurses per bracket)
+        raise HintError(".retainz: invalid TOML: arrays or tables nested too deeply") from None
+    except ValueError as e:               # TOMLDecodeError, or an integer of 4,300+ digits
         raise HintError(f".retainz: invalid TOML: {e}") from None
     unknown = set(doc) - _POLICY_KEYS
     if unknown:

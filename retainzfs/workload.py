@@ -292,6 +292,8 @@ def read_trace(path) -> tuple[DeviceSpec | None, list[Event]]:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"invalid JSON ({e.msg})") from None
+                except RecursionError:
+                    raise ValueError("invalid JSON (nested too deeply)") from None
                 if not isinstance(obj, dict):
                     raise ValueError("expected a JSON object")
                 if "device" in obj:

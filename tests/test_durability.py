@@ -1211,7 +1211,8 @@ def test_malformed_retainz_policy(mounted):
     h = json.loads(xattr.getxattr(run_dir / "step-100" / "shard", H.XATTR_HINT))
     assert h["reclaim"] == 400
     bads = ["keep_latest = 'three'\n", "keep_latest = = 3\n", "preset = \"nope\"\n",
-            "unknown_key = 1\n", "generation = '('\n", "keep_latest = -1\n"]
+            "unknown_key = 1\n", "generation = '('\n", "keep_latest = -1\n",
+            "keep_latest = " + "[" * 50_000, "keep_latest = " + "9" * 5000]
     # repeated rewrites: the async RELEASE of the previous fd must not eat the next error
     for bad in bads + bads[:1] * 20:
         f = open(run_dir / ".retainz", "w")

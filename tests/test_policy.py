@@ -64,6 +64,9 @@ def test_any_bytes_parse_or_raise_hint_error(data):
     (b'generation = "(a|aa)+$"\n', "too slow"),
     (b"keep_latest = \n", "invalid TOML"),
     (b"\xff\xfe", "not UTF-8"),
+    (b"keep_latest = " + b"[" * 100_000, "nested too deeply"),        # RecursionError before
+    (b"a = " + b"{x=" * 3000, "nested too deeply"),
+    (b"keep_latest = " + b"9" * 5000, "invalid TOML"),                # ValueError before
 ])
 def test_malformed_policies_name_the_problem(text, what):
     with pytest.raises(H.HintError) as e:

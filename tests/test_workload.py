@@ -224,6 +224,7 @@ GOOD_SAVE = {"t": 0.0, "op": "save", "stream": 0, "gen": 1, "birth": 10, "hint":
 
 @pytest.mark.parametrize("lines,line_no,msg", [
     (["{not json"], 1, "invalid JSON"),
+    (["[" * 100_000], 1, "nested too deeply"),           # a RecursionError traceback before
     ([GOOD_SAVE, {"t": 0.1, "op": "move", "stream": 0, "gen": 1}], 2, "'op'"),
     ([{**GOOD_SAVE, "files": []}], 1, "files"),
     ([{**GOOD_SAVE, "hint": "soon"}], 1, "hint"),
