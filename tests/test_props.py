@@ -360,3 +360,22 @@ def test_staged_flushes_land_the_bytes_a_scatter_write_would(tmp_path_factory, s
     finally:
         s.close()
         dev.close()
+
+
+# ---------------------------------------------------------------------------- sizes on the CLI
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 10 ** 500), st.sampled_from(["", "B", "K", "M", "G", "T", "KiB", "GiB"]),
+       st.integers(0, 10 ** 6), st.booleans())
+def test_sizes_parse_exactly_at_any_length(whole, unit, frac, with_frac):
+    """``mkfs --size`` / ``-o dirty_bytes=``: exact bytes (a 400-digit size was a float
+    infinity: OverflowError and a traceback); what is not a size is ValueError, one line."""
+    from fractions import Fraction
+    from retainzfs.cli.common import parse_size
+    mult = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
+            "KiB": 1 << 10, "GiB": 1 << 30}[unit]
+    text = f"{whole}.{frac}" if with_frac else str(whole)
+    assert parse_size(text + unit) == int(Fraction(text) * mult)
+    for bad in (text + "X", "-" + text + unit, text + unit + "s", "1e9" + unit, ""):
+        with pytest.raises(ValueError):
+            parse_size(bad)

@@ -5,6 +5,7 @@ import os
 import re
 import sys
 import threading
+from fractions import Fraction
 from typing import Callable, NoReturn, TypeVar
 
 from ..device import unescape_mount_field
@@ -18,7 +19,8 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGTB]?)(?:i?B)?\s*", str(text), re.I)
     if not m:
         raise ValueError(f"bad size {text!r} (use e.g. 4M, 1G, 4096)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    # exact (a float of 400 digits is infinity: OverflowError and a traceback before)
+    return int(Fraction(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 def die(msg: str, code: int = 1) -> "NoReturn":  # noqa: F821
