@@ -48,6 +48,10 @@ class Workers:
             return len(self._threads)
 
     @property
+    def wanted(self) -> int:
+        return self._n
+
+    @property
     def size(self) -> int:
         """Threads running work (started on first use when ``start`` was not called)."""
         return self.start()

@@ -133,7 +133,9 @@ def test_a_daemon_under_a_pids_limit_serves_with_the_threads_it_can_start(make_i
             t.join()
         assert not errors, errors[:3]
         assert int((d / "pids.current").read_text()) <= 12
-        assert run("retainzfs", "status", mnt).returncode == 0
+        wk = m.status()["tuning"]["workers"]
+        assert wk["readahead"] < wk["readahead_wanted"] == 8 and wk["flush_wanted"] == 4
+        assert "threads short" in run("retainzfs", "status", mnt).stdout
         m.umount()
         log = m.daemon_log()
         assert "internal error" not in log and "Traceback" not in log, log[-3000:]

@@ -126,6 +126,11 @@ def print_status(st: dict, path: str) -> None:
                                   f"{mem['readahead_files']} files, {mem['fuse_threads']} FUSE "
                                   f"threads, pool {_human(mem['pool_bytes'])}",
                   style="yellow" if mem["limit"] < TIGHT else None)
+    wk = tun.get("workers")
+    if wk and (wk["flush"] < wk["flush_wanted"] or wk["readahead"] < wk["readahead_wanted"]):
+        t.add_row("threads short", f"{wk['flush']} of {wk['flush_wanted']} flush and "
+                                   f"{wk['readahead']} of {wk['readahead_wanted']} readahead "
+                                   "threads started (a pids or thread limit)", style="yellow")
     if st.get("capacity_stop"):
         t.add_row("capacity stop", f"yes ({st.get('enospc', 0)} ENOSPC)", style="red")
     if st.get("device_error"):
