@@ -975,7 +975,7 @@ def mount(ops, str mountpoint, options) -> None:
     args.allocated = 0
     argv = [b"retainzfs"]
     for o in sorted(options):
-        argv += [b"-o", o.encode()]
+        argv += [b"-o", os.fsencode(o)]         # (fsname= is the image's path: any bytes)
     for a in argv:
         if fuse_opt_add_arg(&args, <const char *>a) != 0:
             fuse_opt_free_args(&args)

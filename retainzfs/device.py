@@ -1432,7 +1432,7 @@ def mountinfo() -> list[tuple[str, str, str]]:
     (``/proc/self/mountinfo``; mount points unescaped); [] when it cannot be read."""
     rows = []
     try:
-        with open("/proc/self/mountinfo") as f:
+        with open("/proc/self/mountinfo", errors="surrogateescape") as f:
             for line in f:
                 left, _, right = line.partition(" - ")
                 parts = left.split()

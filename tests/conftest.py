@@ -34,6 +34,7 @@ RETAINZFS = shutil.which("retainzfs") or "retainzfs"
 
 def run(*argv, check=True, timeout=60, **kw) -> subprocess.CompletedProcess:
     """Run a command, capture text output; raise with its output when ``check`` fails."""
+    kw.setdefault("errors", "surrogateescape")     # (paths that are not UTF-8: as os.fsdecode)
     p = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout, **kw)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, argv))} -> rc={p.returncode}\n"
@@ -48,9 +49,12 @@ def mkfs(img, size="1G", zone_size="4M", max_open=8, max_active=8, *extra) -> pa
 
 
 def is_mounted(path) -> bool:
+    """``/proc/mounts`` read as the CLI reads it: octal escapes (a space is ``\\040``) decoded,
+    bytes that are not UTF-8 kept as surrogates (os.fsdecode's)."""
+    from retainzfs.device import unescape_mount_field
     real = os.path.realpath(path)
-    with open("/proc/mounts") as f:
-        return any(line.split()[1] == real for line in f)
+    with open("/proc/mounts", errors="surrogateescape") as f:
+        return any(unescape_mount_field(line.split()[1]) == real for line in f)
 
 
 def daemon_pids(img, mnt=None) -> list[int]:

@@ -334,27 +334,36 @@ def test_bad_mount_options_one_line_before_fork(image, tmp_path, opt, needle):
     assert not is_mounted(mnt)
 
 
-@pytest.mark.parametrize("name", ["ck pt,1.zns", "a\\b\tc.zns"], ids=["space+comma", "backslash+tab"])
-def test_device_and_mount_paths_with_commas_spaces_and_escapes(tmp_path, name):
+@pytest.mark.parametrize("name,mname", [
+    ("ck pt,1.zns", "m ,x\\y"), ("a\\b\tc.zns", "m ,x\\y"),
+    (os.fsdecode(b"i\xfe\n,y.zns"), os.fsdecode(b"m\xff x\nq"))],
+    ids=["space+comma", "backslash+tab", "not-utf8+newline"])
+def test_device_and_mount_paths_with_commas_spaces_and_escapes(tmp_path, name, mname):
     """An image named ``ck pt,1.zns`` failed to mount ("fuse_session_new() failed": libfuse
     splits its ``fsname=`` option at commas), and ``retainzfs status`` of a mount point with a
-    space said it was no retainzfs mount (``/proc/mounts`` prints it as ``\\040``).  Both by
-    ``mount.retainzfs`` and ``mount -t fuse.retainzfs``."""
+    space said it was no retainzfs mount (``/proc/mounts`` prints it as ``\\040``).  Paths
+    whose bytes are not UTF-8 (an image or mount point made under another locale) failed the
+    mount with a UnicodeEncodeError in the daemon's log ("daemon exited before mounting").
+    Both by ``mount.retainzfs`` and ``mount -t fuse.retainzfs``, under ``LANG=C``."""
     from conftest import MKFS
     img = tmp_path / name
-    mnt = tmp_path / "m ,x\\y"
+    mnt = tmp_path / mname
     mnt.mkdir()
-    run(MKFS, "--size", "256M", "--zone-size", "4M", "--quiet", img)
+    env = dict(os.environ, LANG="C", LC_ALL="C")
+    run(MKFS, "--size", "256M", "--zone-size", "4M", "--quiet", img, env=env)
     for argv in ([MOUNT, img, mnt], ["mount", "-t", "fuse.retainzfs", img, mnt]):
-        run(*argv)
+        run(*argv, env=env)
         try:
+            assert is_mounted(mnt)
             (mnt / "a").write_bytes(b"hello")
             for what in (mnt, img):
-                st = json.loads(run(RETAINZFS, "status", what, "--json").stdout)
+                st = json.loads(run(RETAINZFS, "status", what, "--json", env=env).stdout)
                 assert st["files"] >= 1, st
+            assert "by condition" in run(RETAINZFS, "status", mnt, env=env).stdout
         finally:
             run("umount", mnt)
         assert not is_mounted(mnt)
+    assert "0 problems" in run(RETAINZFS, "fsck", img, env=env).stdout
     run(MOUNT, img, mnt)
     try:
         assert (mnt / "a").read_bytes() == b"hello"

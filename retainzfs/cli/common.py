@@ -32,7 +32,7 @@ def find_mount_of(target: str) -> str | None:
     """Mountpoint of a mounted retainzfs whose source is ``target`` (from /proc/mounts)."""
     real = os.path.realpath(target)
     try:
-        with open("/proc/mounts") as f:
+        with open("/proc/mounts", errors="surrogateescape") as f:
             for line in f:
                 src, mnt, fstype = line.split()[:3]
                 if (fstype == "fuse.retainzfs"
@@ -45,7 +45,7 @@ def find_mount_of(target: str) -> str | None:
 
 def _retainzfs_mountpoints() -> list[str]:
     try:
-        with open("/proc/mounts") as f:
+        with open("/proc/mounts", errors="surrogateescape") as f:
             return [unescape_mount_field(line.split()[1]) for line in f
                     if line.split()[2] == "fuse.retainzfs"]
     except OSError:
@@ -69,7 +69,7 @@ DAEMON_TIMEOUT = 10.0
 def _mount_source(mnt: str) -> str | None:
     want = os.path.abspath(mnt)
     try:
-        with open("/proc/mounts") as f:
+        with open("/proc/mounts", errors="surrogateescape") as f:
             for line in f:
                 src, where, fstype = line.split()[:3]
                 if fstype == "fuse.retainzfs" and unescape_mount_field(where) == want:

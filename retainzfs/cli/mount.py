@@ -353,7 +353,7 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
 
     def notify(msg: str) -> None:
         if notify_fd is not None:
-            os.write(notify_fd, msg.encode() + b"\n")
+            os.write(notify_fd, os.fsencode(msg) + b"\n")     # (paths: any bytes)
             os.close(notify_fd)
 
     log = logging.getLogger("retainzfs")
@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(code)
     os.close(w)
     os.close(fd)
-    with os.fdopen(r) as f:
+    with os.fdopen(r, errors="surrogateescape") as f:
         msg = f.readline().strip()
     if msg == "OK":
         return 0
