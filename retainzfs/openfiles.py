@@ -39,7 +39,7 @@ class OpenFiles:
         # Four workers: staging (copy, checksums) and the device write run without locks
         # (io_lock only to place), so several files' 4 MiB writes are on the disk at once:
         # 2.7 in flight on average with 8 writers (1.4 with two workers).
-        # (started now: ``workers.Workers``; fewer under a pids limit, none: writers flush)
+        # (``workers.Workers``: started at INIT; fewer under a pids limit, none: writers flush)
         self.flusher = Workers(FLUSH_WORKERS, "rz-flush")
         self._busy = 0                        # background flushes queued or running (Store.lock)
         # Store.lock: memory in write buffers, their bytes and the arena room their parts

@@ -151,7 +151,7 @@ class ReadAhead:
         # one per file: the disk serves parallel reads faster (8 readers of 128 MiB here:
         # 3 threads 2.0 s, 8 threads 1.3 s, 16 threads 1.1 s, a plain file 0.84 s); 16 took
         # the daemon to 280 MiB peak in bench_io, too close to the 300 MiB target
-        # (started now: ``workers.Workers``; fewer under a pids limit, none: no readahead)
+        # (``workers.Workers``: started at INIT; fewer under a pids limit, none: no readahead)
         self.pool = Workers(max_files, "rz-readahead")
         self.hits = 0
         self.prefetched = 0
