@@ -112,11 +112,15 @@ class Mount:
     def __str__(self) -> str:
         return str(self.path)
 
-    def mount(self) -> None:
+    def mount(self, cgroup: pathlib.Path | None = None) -> None:
+        """Mount; with ``cgroup`` (``make_cgroup``) the daemon starts inside that cgroup."""
         if not is_mounted(self.path):          # (a stale mount after kill -9 fails stat)
             self.path.mkdir(exist_ok=True)
         opts = f"log={self.log}" + (f",{self.options}" if self.options else "")
-        run(MOUNT, self.img, self.path, "-o", opts, timeout=60)
+        argv = [MOUNT, self.img, self.path, "-o", opts]
+        if cgroup is not None:                 # the helper forks the daemon: it stays there
+            argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', cgroup / "cgroup.procs", *argv]
+        run(*argv, timeout=60)
         assert is_mounted(self.path), f"{self.path} not mounted after mount.retainzfs returned"
         pids = daemon_pids(self.img, self.path)
         assert len(pids) == 1, f"expected one daemon for {self.img}, found {pids}"
@@ -177,6 +181,51 @@ class Mount:
             subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
 
 
+def _make_cgroup(controller: str, name: str, knob_v1: str, knob_v2: str,
+                 value: int) -> pathlib.Path:
+    v1 = pathlib.Path("/sys/fs/cgroup") / controller
+    v2 = pathlib.Path("/sys/fs/cgroup")
+    try:
+        if (v1 / "cgroup.procs").exists():
+            d, knob = v1 / name, knob_v1
+        elif controller in (v2 / "cgroup.controllers").read_text().split():
+            if controller not in (v2 / "cgroup.subtree_control").read_text().split():
+                (v2 / "cgroup.subtree_control").write_text(f"+{controller}")
+            d, knob = v2 / name, knob_v2
+        else:
+            raise OSError(f"no {controller} cgroup controller")
+        d.mkdir(exist_ok=True)
+        (d / knob).write_text(str(value))
+        return d
+    except OSError as e:
+        why = f"cannot make a {controller} cgroup: {e}"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{why} (CI=true: this test must run)")
+    pytest.skip(why)
+
+
+@pytest.fixture
+def cgroup():
+    """``cgroup(controller, knob_v1, knob_v2, value)``: a fresh cgroup of ``controller`` (its
+    v1 hierarchy, or v2) with one limit written (``knob_v1`` or ``knob_v2``), removed after
+    the test (request this fixture before ``mount_image``: its daemons are gone by then).
+    Skipped when none can be made (root, a writable cgroup file system, the controller),
+    failed under CI=true."""
+    made: list[pathlib.Path] = []
+
+    def make(controller: str, knob_v1: str, knob_v2: str, value: int) -> pathlib.Path:
+        d = _make_cgroup(controller, f"retainzfs-test-{os.getpid()}-{len(made)}", knob_v1,
+                         knob_v2, value)
+        made.append(d)
+        return d
+    yield make
+    for d in made:
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+
+
 @contextlib.contextmanager
 def tmpfs(path, size: str):
     """A tmpfs of ``size`` mounted at ``path`` (created) for the block: a host file system
@@ -235,10 +284,11 @@ def image(make_image) -> pathlib.Path:
 def mount_image(tmp_path, request):
     mounts: list[Mount] = []
 
-    def mount(img, options: str | None = None, name: str | None = None) -> Mount:
+    def mount(img, options: str | None = None, name: str | None = None,
+              cgroup: pathlib.Path | None = None) -> Mount:
         m = Mount(img, tmp_path / (name or f"mnt{len(mounts)}"), options)
         mounts.append(m)
-        m.mount()
+        m.mount(cgroup=cgroup)
         return m
     yield mount
     failed = []

@@ -3,13 +3,12 @@ unit, then a real mount in a real pids cgroup (containers set ``pids.max``; thre
 from __future__ import annotations
 
 import os
-import pathlib
 import threading
 import time
 
 import pytest
 
-from conftest import MOUNT, Mount, is_mounted, run, wait_for
+from conftest import run
 from retainzfs.workers import Workers
 
 MiB = 1 << 20
@@ -69,90 +68,56 @@ def test_workers_drain_their_queue_at_shutdown_and_pass_errors_on():
     w.shutdown(wait=True)                             # twice is harmless
 
 
-def _pids_cgroup(name: str, limit: int) -> pathlib.Path:
-    """A fresh pids cgroup (v1 ``pids`` hierarchy or v2) holding at most ``limit`` tasks;
-    skipped when none can be made (root, a writable cgroup file system), failed under CI=true."""
-    v1 = pathlib.Path("/sys/fs/cgroup/pids")
-    v2 = pathlib.Path("/sys/fs/cgroup")
-    try:
-        if (v1 / "cgroup.procs").exists():
-            d = v1 / name
-        elif "pids" in (v2 / "cgroup.controllers").read_text().split():
-            if "pids" not in (v2 / "cgroup.subtree_control").read_text().split():
-                (v2 / "cgroup.subtree_control").write_text("+pids")
-            d = v2 / name
-        else:
-            raise OSError("no pids cgroup controller")
-        d.mkdir(exist_ok=True)
-        (d / "pids.max").write_text(str(limit))
-        return d
-    except OSError as e:
-        why = f"cannot make a pids cgroup: {e}"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"{why} (CI=true: this test must run)")
-    pytest.skip(why)
-
-
-def test_a_daemon_under_a_pids_limit_serves_with_the_threads_it_can_start(make_image, tmp_path):
+def test_a_daemon_under_a_pids_limit_serves_with_the_threads_it_can_start(cgroup, make_image,
+                                                                          mount_image):
     """16 writers (fsynced 24 MiB files, then 150 small files each) and readers through a daemon
     whose cgroup allows 12 tasks.  Before, a background flush started its pool thread at a
     client's write; the start failed there and the write answered EIO as an internal error
     (its bytes already queued), and libfuse wrote "error creating thread" at every request that
     found no idle thread: 3,146 lines in 3 s.  Now the pools start at INIT with what the limit
     allows, and libfuse's repeated message is one line with a count."""
-    d = _pids_cgroup(f"retainzfs-test-{os.getpid()}", 12)
+    d = cgroup("pids", "pids.max", "pids.max", 12)
     img = make_image("2G", "16M")
-    mnt = tmp_path / "m"
-    mnt.mkdir()
-    m = Mount(img, mnt)
-    try:
-        run("sh", "-c", f'echo $$ > {d / "cgroup.procs"} && exec {MOUNT} "$0" "$1" -o log="$2"',
-            img, mnt, m.log)
-        assert wait_for(lambda: is_mounted(mnt), 15)
-        errors: list = []
-        datas = {i: os.urandom(MiB) * 24 for i in range(16)}
+    m = mount_image(img, cgroup=d)
+    mnt = m.path
+    errors: list = []
+    datas = {i: os.urandom(MiB) * 24 for i in range(16)}
 
-        def work(i: int) -> None:
-            try:
-                with open(mnt / f"f{i}", "wb") as f:
-                    f.write(datas[i])
-                    f.flush()
-                    os.fsync(f.fileno())
-                for _ in range(2):
-                    if (mnt / f"f{i}").read_bytes() != datas[i]:
-                        errors.append(("read", i))
-                for j in range(150):
-                    (mnt / f"s{i}_{j}").write_bytes(b"%d" % j)
-            except OSError as e:
-                errors.append((i, e))
-        ts = [threading.Thread(target=work, args=(i,)) for i in range(16)]
-        t0 = time.monotonic()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        assert not errors, errors[:3]
-        assert int((d / "pids.current").read_text()) <= 12
-        wk = m.status()["tuning"]["workers"]
-        assert wk["readahead"] < wk["readahead_wanted"] == 8 and wk["flush_wanted"] == 4
-        assert "threads short" in run("retainzfs", "status", mnt).stdout
-        m.umount()
-        log = m.daemon_log()
-        assert "internal error" not in log and "Traceback" not in log, log[-3000:]
-        assert "threads started" in log                   # the pools said what they have
-        creating = [ln for ln in log.splitlines() if "error creating thread" in ln]
-        minutes = (time.monotonic() - t0) / 60 + 1
-        assert 1 <= len(creating) <= 2 * minutes + 2, creating[:5]
-        assert any("more times" in ln for ln in creating) or len(creating) == 1
-        m.mount()                                         # outside the cgroup now
-        for i in range(16):
-            assert (mnt / f"f{i}").read_bytes() == datas[i]
-            assert (mnt / f"s{i}_149").read_bytes() == b"149"
-        m.umount()
-        assert "0 problems" in run("retainzfs", "fsck", img).stdout
-    finally:
-        m.teardown()
+    def work(i: int) -> None:
         try:
-            d.rmdir()
-        except OSError:
-            pass
+            with open(mnt / f"f{i}", "wb") as f:
+                f.write(datas[i])
+                f.flush()
+                os.fsync(f.fileno())
+            for _ in range(2):
+                if (mnt / f"f{i}").read_bytes() != datas[i]:
+                    errors.append(("read", i))
+            for j in range(150):
+                (mnt / f"s{i}_{j}").write_bytes(b"%d" % j)
+        except OSError as e:
+            errors.append((i, e))
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(16)]
+    t0 = time.monotonic()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors[:3]
+    assert int((d / "pids.current").read_text()) <= 12
+    wk = m.status()["tuning"]["workers"]
+    assert wk["readahead"] < wk["readahead_wanted"] == 8 and wk["flush_wanted"] == 4
+    assert "threads short" in run("retainzfs", "status", mnt).stdout
+    m.umount()
+    log = m.daemon_log()
+    assert "internal error" not in log and "Traceback" not in log, log[-3000:]
+    assert "threads started" in log                   # the pools said what they have
+    creating = [ln for ln in log.splitlines() if "error creating thread" in ln]
+    minutes = (time.monotonic() - t0) / 60 + 1
+    assert 1 <= len(creating) <= 2 * minutes + 2, creating[:5]
+    assert any("more times" in ln for ln in creating) or len(creating) == 1
+    m.mount()                                         # outside the cgroup now
+    for i in range(16):
+        assert (mnt / f"f{i}").read_bytes() == datas[i]
+        assert (mnt / f"s{i}_149").read_bytes() == b"149"
+    m.umount()
+    assert "0 problems" in run("retainzfs", "fsck", img).stdout

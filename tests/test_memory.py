@@ -2,15 +2,13 @@
 cgroup parsing and the plan as units, then a real mount in a real memory cgroup."""
 from __future__ import annotations
 
-import os
 import pathlib
 import threading
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import MOUNT, Mount, run, wait_for
+from conftest import run
 from retainzfs import memory as M
 
 MiB = 1 << 20
@@ -86,34 +84,6 @@ def test_the_plan_fits_the_limit_and_grows_with_it(a, b, base, more):
 
 # ------------------------------------------------------------------ a real memory cgroup
 
-def _memory_cgroup(name: str, limit: int) -> tuple[pathlib.Path, str]:
-    """A fresh memory cgroup limited to ``limit`` bytes: (its directory, the file a pid is
-    written to).  v1 (``memory`` hierarchy) or v2; skipped when neither can be made (root,
-    a writable cgroup file system), failed under CI=true."""
-    why = None
-    v1 = pathlib.Path("/sys/fs/cgroup/memory")
-    v2 = pathlib.Path("/sys/fs/cgroup")
-    try:
-        if (v1 / "memory.limit_in_bytes").exists():
-            d = v1 / name
-            d.mkdir(exist_ok=True)
-            (d / "memory.limit_in_bytes").write_text(str(limit))
-            return d, "memory.limit_in_bytes"
-        if "memory" in (v2 / "cgroup.controllers").read_text().split():
-            if "memory" not in (v2 / "cgroup.subtree_control").read_text().split():
-                (v2 / "cgroup.subtree_control").write_text("+memory")
-            d = v2 / name
-            d.mkdir(exist_ok=True)
-            (d / "memory.max").write_text(str(limit))
-            return d, "memory.max"
-        why = "no memory cgroup controller"
-    except OSError as e:
-        why = f"cannot make a memory cgroup: {e}"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"{why} (CI=true: this test must run)")
-    pytest.skip(why)
-
-
 def _oom_kills(d: pathlib.Path) -> int:
     for name in ("memory.oom_control", "memory.events"):
         try:
@@ -126,72 +96,61 @@ def _oom_kills(d: pathlib.Path) -> int:
     return 0
 
 
-def test_a_daemon_under_a_memory_limit_sizes_its_buffers_to_it(make_image, tmp_path):
+def test_a_daemon_under_a_memory_limit_sizes_its_buffers_to_it(cgroup, make_image, mount_image):
     """16 writers and 8 readers of 128 MiB files through a daemon in a 256 MiB memory cgroup.
     Before, the daemon reached ~335 MiB on this load (its buffers were sized for the host):
     the OOM killer ended it within a second and every process got ENOTCONN.  Now it reads the
     limit at mount, sizes write buffers, readahead, FUSE threads and its buffer pool to it,
     says so in ``status``, and the load completes with every byte right."""
     limit = 256 * MiB
-    d, knob = _memory_cgroup(f"retainzfs-test-{os.getpid()}", limit)
-    img = make_image("8G", "64M")
-    mnt = tmp_path / "m"
-    mnt.mkdir()
-    m = Mount(img, mnt)
-    try:
-        run("sh", "-c", f'echo $$ > {d / "cgroup.procs"} && exec {MOUNT} "$0" "$1" -o log="$2"',
-            img, mnt, m.log)
-        assert wait_for(lambda: m.status().get("tuning", {}).get("memory"), 15)
-        mem = m.status()["tuning"]["memory"]
-        assert mem["limit"] == limit and mem["source"].startswith("cgroup /")
-        # the daemon's own: what it held with the metadata loaded, and room to grow
-        assert M.BASE <= mem["base"] < 128 * MiB
-        assert mem == M.plan(limit, mem["source"], mem["base"]).as_dict()
-        assert m.status()["tuning"]["dirty_bytes"] == mem["dirty_bytes"] < M.DIRTY_MAX
-        kills = _oom_kills(d)
-        size = 128
-        for i in range(8):                 # the readers' files, then out of every cache
-            with open(mnt / f"r{i}", "wb") as f:
-                for _ in range(size):
-                    f.write(bytes([i]) * MiB)
-        run("sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches")
-        errors: list = []
+    d = cgroup("memory", "memory.limit_in_bytes", "memory.max", limit)
+    m = mount_image(make_image("8G", "64M"), cgroup=d)
+    mnt = m.path
+    assert m.status().get("tuning", {}).get("memory")
+    mem = m.status()["tuning"]["memory"]
+    assert mem["limit"] == limit and mem["source"].startswith("cgroup /")
+    # the daemon's own: what it held with the metadata loaded, and room to grow
+    assert M.BASE <= mem["base"] < 128 * MiB
+    assert mem == M.plan(limit, mem["source"], mem["base"]).as_dict()
+    assert m.status()["tuning"]["dirty_bytes"] == mem["dirty_bytes"] < M.DIRTY_MAX
+    kills = _oom_kills(d)
+    size = 128
+    for i in range(8):                 # the readers' files, then out of every cache
+        with open(mnt / f"r{i}", "wb") as f:
+            for _ in range(size):
+                f.write(bytes([i]) * MiB)
+    run("sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches")
+    errors: list = []
 
-        def write(i: int) -> None:
-            try:
-                with open(mnt / f"w{i}", "wb") as f:
-                    for _ in range(size):
-                        f.write(bytes([100 + i]) * MiB)
-            except OSError as e:
-                errors.append(("write", i, e))
-
-        def read(i: int) -> None:
-            try:
-                with open(mnt / f"r{i}", "rb") as f:
-                    n = 0
-                    while chunk := f.read(MiB):
-                        n += chunk.count(bytes([i]))
-                    if n != size * MiB:
-                        errors.append(("read", i, n))
-            except OSError as e:
-                errors.append(("read", i, e))
-        ts = ([threading.Thread(target=write, args=(i,)) for i in range(16)]
-              + [threading.Thread(target=read, args=(i,)) for i in range(8)])
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        assert not errors, errors[:3]
-        assert _oom_kills(d) == kills, "the daemon's cgroup saw an OOM kill"
-        assert m.status()["daemon"]["peak_rss_bytes"] < limit
-        assert "memory limit" in run("retainzfs", "status", mnt).stdout
-        m.remount()                        # (outside the cgroup now: every byte is there)
-        for i in range(16):
-            with open(mnt / f"w{i}", "rb") as f:
-                assert f.read().count(bytes([100 + i])) == size * MiB
-    finally:
-        m.teardown()
+    def write(i: int) -> None:
         try:
-            d.rmdir()
-        except OSError:
-            pass
+            with open(mnt / f"w{i}", "wb") as f:
+                for _ in range(size):
+                    f.write(bytes([100 + i]) * MiB)
+        except OSError as e:
+            errors.append(("write", i, e))
+
+    def read(i: int) -> None:
+        try:
+            with open(mnt / f"r{i}", "rb") as f:
+                n = 0
+                while chunk := f.read(MiB):
+                    n += chunk.count(bytes([i]))
+                if n != size * MiB:
+                    errors.append(("read", i, n))
+        except OSError as e:
+            errors.append(("read", i, e))
+    ts = ([threading.Thread(target=write, args=(i,)) for i in range(16)]
+          + [threading.Thread(target=read, args=(i,)) for i in range(8)])
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors[:3]
+    assert _oom_kills(d) == kills, "the daemon's cgroup saw an OOM kill"
+    assert m.status()["daemon"]["peak_rss_bytes"] < limit
+    assert "memory limit" in run("retainzfs", "status", mnt).stdout
+    m.remount()                        # (outside the cgroup now: every byte is there)
+    for i in range(16):
+        with open(mnt / f"w{i}", "rb") as f:
+            assert f.read().count(bytes([100 + i])) == size * MiB
