@@ -29,6 +29,9 @@ XATTR_COUNT_MAX = 0xFFFF
 #: and ``getfacl`` showed an ACL that nothing applied (a mask taking write from the group
 #: left the group writing).  Refused as a file system mounted without ACLs refuses them.
 ACL_XATTRS = frozenset({b"system.posix_acl_access", b"system.posix_acl_default"})
+#: the namespaces a name may be set in, as on ext4 and XFS: the kernel hands FUSE any name,
+#: so ``foo`` or ``system.x`` were stored (EOPNOTSUPP there) and ``user.`` too (EINVAL there)
+NAMESPACES = frozenset({b"user", b"trusted", b"security"})
 
 
 class XattrOps:
@@ -42,6 +45,11 @@ class XattrOps:
         XATTR_CREATEs: one wins)."""
         if name in ACL_XATTRS:
             raise FsError(errno.EOPNOTSUPP, "POSIX ACLs are not supported (mode bits only)")
+        space, dot, rest = name.partition(b".")
+        if space not in NAMESPACES or not dot:
+            raise FsError(errno.EOPNOTSUPP, "xattrs are user., trusted. or security. names")
+        if not rest:
+            raise FsError(errno.EINVAL)
         self.s.ns.room()
         with self.s.lock:
             inode = self.s.ns.get_locked(ino)

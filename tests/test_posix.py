@@ -987,6 +987,23 @@ def test_posix_acls_are_refused_not_stored_unenforced(mounted):
     assert not any(n.startswith("system.posix_acl") for n in os.listxattr(p))
 
 
+def test_xattr_names_outside_the_namespaces_are_refused_as_ext4_refuses_them(mounted):
+    """The kernel hands FUSE any name; ext4 answers EOPNOTSUPP outside user., trusted.,
+    security. (and system.'s ACLs) and EINVAL for a namespace with no name.  These were
+    stored, and listed to ``cp -a`` / ``rsync -X``, which then failed copying them elsewhere."""
+    p = mounted / "f"
+    write_file(p, b"x")
+    for name, want in (("foo", errno.EOPNOTSUPP), ("system.data", errno.EOPNOTSUPP),
+                       ("usr.x", errno.EOPNOTSUPP), ("user.", errno.EINVAL),
+                       ("trusted.", errno.EINVAL), ("security.", errno.EINVAL)):
+        with pytest.raises(OSError) as ei:
+            os.setxattr(p, name, b"v")
+        assert ei.value.errno == want, name
+    assert os.listxattr(p) == []
+    os.setxattr(p, "user.x.y", b"v")                  # dots after the namespace are names
+    assert os.getxattr(p, "user.x.y") == b"v"
+
+
 def test_xattrs(mounted):
     p = mounted / "x"
     write_file(p, b"data")
