@@ -421,6 +421,10 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
                         max_threads=budget.fuse_threads)
         if code > 0:
             log.info("signal %d: unmounting", code)
+        elif code == 0 and is_retainzfs_mount(mnt):
+            # an unmount takes the mount away first; an abort leaves it, dead (ENOTCONN)
+            log.warning("the kernel's connection was aborted (/sys/fs/fuse/connections/*/abort "
+                        "or umount -f): writing what was buffered, then unmounting %s", mnt)
         elif code < 0:
             log.error("FUSE loop failed: %s", os.strerror(-code))
             rc = 1
