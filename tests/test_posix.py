@@ -460,7 +460,7 @@ I64 = (1 << 63) - 1
     (-(1 << 40), 1, -I64 - 1),                                    # 34,000 years ago
 ])
 def test_times_outside_what_is_kept_are_clamped_not_wrapped(mounted, sec, nsec, want):
-    """The record keeps int64 nanoseconds; `touch -d 9999-12-31` once came back as 1823."""
+    """The record keeps int64 nanoseconds; `touch -d 9999-12-31` once came back as 1816."""
     p = mounted / "f"
     write_file(p, b"x")
     os.utime(p, ns=(sec * 10**9 + nsec, sec * 10**9 + nsec))
