@@ -118,8 +118,11 @@ class Store:
     # ------------------------------------------------------------------ format / open
     @staticmethod
     def format(dev: ZonedDevice, *, meta_zones: int | None = None,
-               allocator: str = "retainz", gc_reserve: int = 1) -> Superblock:
-        """Write a fresh filesystem: reset every zone, superblock + empty snapshot in pair 0."""
+               allocator: str = "retainz", gc_reserve: int = 1,
+               root_owner: tuple[int, int] = (0, 0)) -> Superblock:
+        """Write a fresh filesystem: reset every zone, superblock + empty snapshot in pair 0.
+        ``root_owner`` (uid, gid) owns the root directory: mkfs gives it to whoever runs mkfs,
+        so a user who makes an image can write in it when they mount it."""
         if meta_zones is None:
             meta_zones = default_meta_zones(dev.nr_zones, dev.zone_capacity)
         why = meta_zones_problem(meta_zones)
@@ -139,7 +142,8 @@ class Store:
             if dev.zone(z).wp or dev.zone(z).cond != ZoneCond.EMPTY:
                 dev.reset(z)
         t = now_ns()
-        root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, nlink=2, atime=t, mtime=t, ctime=t)
+        root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, nlink=2, uid=root_owner[0],
+                     gid=root_owner[1], atime=t, mtime=t, ctime=t)
         snap = NS.encode_snapshot({ROOT_INO: root}, R.SnapshotHeader(ROOT_INO + 1))
         J.Journal(dev, sb, lambda: snap).format()
         return sb

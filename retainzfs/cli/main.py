@@ -126,6 +126,10 @@ def print_status(st: dict, path: str) -> None:
                                   f"{mem['readahead_files']} files, {mem['fuse_threads']} FUSE "
                                   f"threads, pool {_human(mem['pool_bytes'])}",
                   style="yellow" if mem["limit"] < TIGHT else None)
+    if tun.get("read_ahead_kb_problem"):
+        t.add_row("readahead", f"kernel readahead {tun.get('read_ahead_kb')} KiB "
+                               f"({tun['read_ahead_kb_problem']}): cold sequential reads at about "
+                               "half speed", style="yellow")
     wk = tun.get("workers")
     if wk and (wk["flush"] < wk["flush_wanted"] or wk["readahead"] < wk["readahead_wanted"]):
         t.add_row("threads short", f"{wk['flush']} of {wk['flush_wanted']} flush and "

@@ -15,6 +15,15 @@ from ..superblock import FormatError
 from .common import die, find_mount_of, parse_size
 
 
+def _owner(text: str) -> tuple[int, int]:
+    """``UID:GID``, numeric, each below 2^32 - 1 (which means "no owner" to chown)."""
+    uid, sep, gid = text.partition(":")
+    if not (sep and uid.isdigit() and gid.isdigit() and uid.isascii() and gid.isascii()
+            and int(uid) < 0xFFFFFFFF and int(gid) < 0xFFFFFFFF):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected UID:GID (numbers, e.g. 1000:1000)")
+    return int(uid), int(gid)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mkfs.retainzfs", description=__doc__)
     p.add_argument("target", help="zoned block device (/dev/nvme0n1) or image file")
@@ -29,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "pairs); default about 1%% of the device, 4 on small ones")
     p.add_argument("--allocator", default="retainz", help="default placement policy")
     p.add_argument("--gc-reserve", type=int, default=1, help="empty zones kept for GC")
+    p.add_argument("--root-owner", metavar="UID:GID", type=_owner, default=None,
+                   help="owner of the root directory (default: who runs mkfs, as mke2fs -E "
+                        "root_owner: a user mounting an image of their own can write in it)")
     p.add_argument("--force", "-f", action="store_true", help="overwrite an existing filesystem/image")
     p.add_argument("--quiet", "-q", action="store_true")
     return p
@@ -81,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         die(str(e))
     try:
         sb = Store.format(dev, meta_zones=args.meta_zones, allocator=args.allocator,
-                          gc_reserve=args.gc_reserve)
+                          gc_reserve=args.gc_reserve,
+                          root_owner=args.root_owner or (os.getuid(), os.getgid()))
     except (FsError, OSError) as e:
         dev.close()
         if args.size and created:          # no half-made image left behind (a full host)

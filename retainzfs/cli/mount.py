@@ -6,9 +6,11 @@ daemon's one-line error and exits non-zero), like mount(8) helpers do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -237,36 +239,105 @@ def _open_store(target: str, ours: dict):
     return dev, store
 
 
-def _set_readahead(mnt: str, kb: int) -> int | None:
-    """Set the kernel readahead of our FUSE mount (its bdi); returns the value now in force.
+def _set_readahead(mnt: str, kb: int) -> tuple[int | None, str | None]:
+    """Set the kernel readahead of our FUSE mount (its bdi); returns (the value now in force,
+    why it is not ``kb``, or None).
 
     Why: FUSE mounts get 128 KiB of readahead, which halves a cold sequential read of a
-    checkpoint; 4 MiB matches the zones' write size.  Found via /proc/self/mountinfo (a stat of
-    the mountpoint from the daemon itself would wait for the daemon)."""
+    checkpoint; 4 MiB matches the zones' write size.  Only root may raise it: a daemon run by
+    a user keeps the kernel's value, and says so (``status``).  Found via
+    /proc/self/mountinfo (a stat of the mountpoint from the daemon itself would wait for the
+    daemon)."""
     from ..device import mountinfo
     real = os.path.normpath(mnt)          # no realpath here: an lstat of it would wait for us
     for dev, point, _ in mountinfo():
         if point == real:
             path = f"/sys/class/bdi/{dev}/read_ahead_kb"
-            try:
-                if kb:
+            why = None
+            if kb:
+                try:
                     with open(path, "w") as g:
                         g.write(str(kb))
+                except OSError as e:
+                    why = f"cannot set {path} to {kb}: {e.strerror}"
+            try:
                 with open(path) as g:
-                    return int(g.read())
-            except OSError:
-                return None
-    return None
+                    now = int(g.read())
+            except (OSError, ValueError) as e:
+                return None, why or f"cannot read {path}: {e}"
+            if why is None and kb and now != kb:
+                why = f"{path} is {now}, not {kb}"
+            return now, why
+    return None, "the mount is not in /proc/self/mountinfo"
 
 
-def _default_log(mnt: str) -> str:
-    base = "/var/log/retainzfs"
+def _user_may_not(fuse_extra: list[str], conf: str = "/etc/fuse.conf") -> str | None:
+    """Why a user's mount (not root's) cannot take these FUSE options, or None.  fusermount3
+    refuses ``allow_other`` / ``allow_root`` to a user unless ``conf`` says
+    ``user_allow_other``; its message went to the daemon's log, the caller saw only
+    "fuse_session_mount() failed"."""
+    wanted = [o for o in fuse_extra if o in ("allow_other", "allow_root")]
+    if not wanted or os.geteuid() == 0:
+        return None
     try:
-        os.makedirs(base, exist_ok=True)
+        with open(conf, errors="replace") as f:
+            if any(line.split("#", 1)[0].strip() == "user_allow_other" for line in f):
+                return None
     except OSError:
-        base = "/tmp"
+        pass
+    return (f"-o {wanted[0]}: a mount by a user (not root) may use it only when {conf} has a "
+            f"line 'user_allow_other' (fusermount3 refuses it otherwise)")
+
+
+def _log_dirs() -> list[tuple[str, bool]]:
+    """Where a daemon's log goes unless ``-o log=``, each with whether it is the shared-/tmp
+    fallback: /var/log/retainzfs for root; a user's state directory otherwise
+    (``$XDG_STATE_HOME``, ``~/.local/state``: a user mounting an image of their own cannot
+    write /var/log); last, a directory of the user's own in /tmp."""
+    dirs = []
+    if os.geteuid() == 0:
+        dirs.append(("/var/log/retainzfs", False))
+    else:
+        state = os.environ.get("XDG_STATE_HOME") or ""
+        if not os.path.isabs(state):        # (the spec: a relative value is to be ignored)
+            home = os.path.expanduser("~")
+            state = os.path.join(home, ".local", "state") if os.path.isabs(home) else ""
+        if state:
+            dirs.append((os.path.join(state, "retainzfs"), False))
+    dirs.append((f"/tmp/retainzfs-{os.geteuid()}", True))
+    return dirs
+
+
+def _private_tmp_dir(path: str) -> bool:
+    """``path`` is a directory of ours, not a symlink, that no one else may write: /tmp is
+    shared, and a name there made by another user could point a daemon's log elsewhere."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+            and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def _open_default_log(mnt: str) -> tuple[str, int]:
+    """(path, fd) of the mount's log in the first of ``_log_dirs`` that takes it."""
     name = os.path.realpath(mnt).strip("/").replace("/", "-") or "root"
-    return os.path.join(base, f"{name}.log")
+    errors = []
+    for base, shared_tmp in _log_dirs():
+        path = os.path.join(base, f"{name}.log")
+        try:
+            if shared_tmp:
+                if not _private_tmp_dir(base):
+                    raise OSError(errno.EPERM, "not a private directory of this user")
+            else:
+                os.makedirs(base, exist_ok=True)
+            return path, os.open(path, _LOG_FLAGS | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            errors.append(f"{path}: {e.strerror or e}")
+    die("cannot open a log file (" + "; ".join(errors) + "); name one with -o log=PATH")
+    raise AssertionError("unreachable")
+
+
+_LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
 
 
 def _tune_malloc():
@@ -402,8 +473,12 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
     def ready() -> None:
         # after INIT: the kernel lowers the bdi's readahead to the INIT reply's max_readahead
         # (128 KiB, libfuse's default) when it processes the reply, undoing an earlier write
-        ra = _set_readahead(mnt, ours.get("readahead_kb", 4096))
+        ra, why = _set_readahead(mnt, ours.get("readahead_kb", 4096))
         store.tuning["read_ahead_kb"] = ra
+        if why:
+            store.tuning["read_ahead_kb_problem"] = why
+            log.warning("kernel readahead of the mount left at %s KiB (%s; root may): cold "
+                        "sequential reads run at about half speed", ra, why)
         store.tuning["image_io"] = ("direct" if getattr(dev, "direct", True) else "buffered")
         store.tuning["dirty_bytes"] = store.opts.dirty_bytes
         store.tuning["dirty_expire"] = store.opts.dirty_expire
@@ -474,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         die(str(e))
     target, mnt = args.target, args.mountpoint
     _check_mountpoint(mnt)
+    why = _user_may_not(fuse_extra)
+    if why:
+        die(why)
     other = find_mount_of(target)
     if other and not _is_stale(other):    # fail at once (the lock retry is for exiting daemons)
         die(f"{target} is in use: already mounted at {other}")
@@ -482,11 +560,14 @@ def main(argv: list[str] | None = None) -> int:
         _log_to(sys.stderr, level)
         return serve(target, os.path.realpath(mnt), ours, fuse_extra, None)
 
-    logfile = os.path.abspath(ours.get("log") or _default_log(mnt))
-    try:                                          # in the parent: a bad path is a one-line error
-        fd = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        die(f"cannot open log file {logfile}: {e.strerror}")
+    if ours.get("log"):
+        logfile = os.path.abspath(ours["log"])
+        try:                                      # in the parent: a bad path is a one-line error
+            fd = os.open(logfile, _LOG_FLAGS, 0o644)
+        except OSError as e:
+            die(f"cannot open log file {logfile}: {e.strerror}")
+    else:
+        logfile, fd = _open_default_log(mnt)
     # the daemon leaves the caller's directory (so it does not pin it): absolute paths
     target, mnt = os.path.abspath(target), os.path.realpath(mnt)   # (not mounted yet: safe)
     r, w = os.pipe()

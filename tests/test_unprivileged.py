@@ -1,0 +1,261 @@
+"""A user who is not root makes an image, mounts it, writes, unmounts, mounts again.
+
+FUSE lets any user mount through the setuid ``fusermount3``; an engineer on a shared node (or
+in a container without CAP_SYS_ADMIN) runs ``mkfs.retainzfs ~/ckpt.zns && mount.retainzfs
+~/ckpt.zns ~/ckpt``.  Every other test runs as root, so three things no one saw: the mount
+failed at once ("cannot open log file /var/log/retainzfs/...: Permission denied"), mkfs gave
+the root directory to root (the user who made the file system could not create a file in it),
+and ``-o allow_other`` failed as "fuse_session_mount() failed" (fusermount3's reason went to
+the daemon's log).
+
+The user here is ``nobody``; the commands are the installed console scripts, run by
+``setpriv``.  The interpreter may live where ``nobody`` cannot go (pyenv under /root, mode
+0700): the script then runs in a private mount namespace in which each such directory on the
+way is covered by a tmpfs holding only the next step of the way (bind-mounted from the
+original), so nothing on the host changes and the mounts vanish with the namespace.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+from conftest import run
+
+NOBODY = 65534
+CI = os.environ.get("CI") == "true"
+
+
+def _blocked_steps(path: str) -> list[tuple[str, str]]:
+    """(directory, next name) for each directory on the way to ``path`` that others cannot
+    search (mode bits only: what ``nobody`` meets)."""
+    out = []
+    parts = os.path.realpath(path).strip("/").split("/")
+    cur = "/"
+    for name in parts[:-1] if os.path.isfile(os.path.realpath(path)) else parts:
+        st = os.stat(cur)
+        if not st.st_mode & stat.S_IXOTH:
+            out.append((cur, name))
+        cur = os.path.join(cur, name)
+    return out
+
+
+def _uncover_script(targets: list[str], stash: str) -> str:
+    """Shell lines (run as root in the new namespace) that make each target reachable."""
+    lines, done = [], set()
+    for t in targets:
+        for i, (d, name) in enumerate(_blocked_steps(t)):
+            if (d, name) in done:
+                continue
+            done.add((d, name))
+            keep = os.path.join(stash, str(len(done)))
+            lines += [f"mkdir -p {keep}", f"mount --bind {d} {keep}",
+                      f"mount -t tmpfs -o mode=0711,size=1M rzcover {d}",
+                      f"mkdir -p {os.path.join(d, name)}",
+                      f"mount --bind {os.path.join(keep, name)} {os.path.join(d, name)}"]
+            if not stat.S_ISDIR(os.stat(os.path.join(d, name)).st_mode):
+                raise AssertionError(f"{d}/{name}: not a directory")
+    return "\n".join(lines)
+
+
+def _prerequisites() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (to become nobody)"
+    for tool in ("setpriv", "unshare", "fusermount3"):
+        if not shutil.which(tool):
+            return f"no {tool}"
+    fm = shutil.which("fusermount3")
+    if not os.stat(fm).st_mode & stat.S_ISUID:
+        return f"{fm} is not setuid"
+    for name in ("mkfs.retainzfs", "mount.retainzfs", "retainzfs"):
+        if not os.path.exists(os.path.join(os.path.dirname(sys.executable), name)):
+            return f"no {name} beside {sys.executable}"
+    return None
+
+
+@pytest.fixture
+def as_nobody():
+    """Run a bash script as ``nobody`` in a private mount namespace; yields
+    ``(run_script, home)``.  Daemons the script leaves are killed; the namespace goes with
+    its last process."""
+    why = _prerequisites()
+    if why:
+        if CI:
+            pytest.fail(f"cannot run as an unprivileged user: {why}")
+        pytest.skip(why)
+    home = tempfile.mkdtemp(prefix="rz-nobody.", dir="/tmp")
+    os.chmod(home, 0o755)
+    os.chown(home, NOBODY, NOBODY)
+    stash = tempfile.mkdtemp(prefix="rz-stash.", dir="/tmp")
+    import retainzfs
+    cover = _uncover_script([sys.executable, os.path.dirname(retainzfs.__file__)], stash)
+    bindir = os.path.dirname(sys.executable)
+
+    def go(script: str, timeout: float = 180) -> subprocess.CompletedProcess:
+        body = os.path.join(home, "script.sh")
+        with open(body, "w") as f:
+            f.write("set -eu\n" + textwrap.dedent(script))
+        os.chmod(body, 0o755)
+        outer = (f"set -e\n{cover}\n"
+                 f"exec setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups "
+                 f"env -i HOME={home} PATH={bindir}:/usr/bin:/bin LANG=C.UTF-8 "
+                 f"bash {body}\n")
+        return subprocess.run(["unshare", "--mount", "--propagation", "private",
+                               "bash", "-c", outer], capture_output=True, text=True,
+                              timeout=timeout)
+
+    try:
+        yield go, home
+    finally:
+        for pid in _daemons_of(NOBODY):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(f"/tmp/retainzfs-{NOBODY}", ignore_errors=True)
+        subprocess.run(["umount", "-R", stash], capture_output=True)
+        shutil.rmtree(stash, ignore_errors=True)
+
+
+def _daemons_of(uid: int) -> list[int]:
+    out = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{p}").st_uid != uid:
+                continue
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"mount.retainzfs" in f.read():
+                    out.append(int(p))
+        except OSError:
+            pass
+    return out
+
+
+def test_a_user_makes_mounts_writes_and_remounts_an_image_of_their_own(as_nobody):
+    go, home = as_nobody
+    with open("/etc/fuse.conf", errors="replace") if os.path.exists("/etc/fuse.conf") \
+            else open(os.devnull) as f:
+        user_allow_other = any(ln.split("#", 1)[0].strip() == "user_allow_other" for ln in f)
+    p = go(r"""
+        cd "$HOME"
+        mkfs.retainzfs -q --size 256M ck.zns
+        mkdir ck
+        mount.retainzfs ck.zns ck
+        echo "owner $(stat -c %u:%g ck)"
+        echo hello > ck/a
+        dd if=/dev/urandom of=ck/big bs=1M count=24 conv=fsync status=none
+        mkdir -p ck/run/step-1
+        python3 -c 'import os; f = open("ck/run/step-1/shard", "wb"); f.write(os.urandom(3 << 20)); f.flush(); os.fsync(f.fileno()); f.close()'
+        sha256sum ck/a ck/big ck/run/step-1/shard > sums
+        retainzfs status ck --json > status.json
+        echo "logs $(ls .local/state/retainzfs/ | tr '\n' ' ')"
+        mkdir ck2
+        if mount.retainzfs ck.zns ck2 -o allow_other 2> ao.err; then
+            echo "allow_other mounted"; fusermount3 -u ck2
+        fi
+        echo "allow_other: $(cat ao.err)"
+        fusermount3 -u ck
+        # the next mount waits for the exiting daemon; HOME unwritable: the log goes to /tmp
+        HOME=/ mount.retainzfs ck.zns ck
+        sha256sum -c --quiet sums && echo "sums ok"
+        echo "ls $(stat -c '%u %n' ck/a ck/big ck/run/step-1/shard | tr '\n' ' ')"
+        umount ck || fusermount3 -u ck
+        for i in $(seq 100); do retainzfs fsck ck.zns > fsck.out 2>&1 && break; sleep 0.1; done
+        echo "fsck $(cat fsck.out)"
+        echo "tmplog $(ls /tmp/retainzfs-$(id -u)/ | tr '\n' ' ')"
+        echo done
+    """)
+    out = p.stdout
+    assert p.returncode == 0 and "done" in out, (p.returncode, out, p.stderr)
+    assert f"owner {NOBODY}:{NOBODY}" in out            # mkfs gave the user their root
+    assert "sums ok" in out
+    assert f"ls {NOBODY} ck/a {NOBODY} ck/big {NOBODY} ck/run/step-1/shard" in out
+    assert "0 problems" in out
+    log = home.strip("/").replace("/", "-") + "-ck.log"
+    said = {ln.split(" ", 1)[0]: ln.split()[1:] for ln in out.splitlines() if " " in ln}
+    assert log in said["logs"], out          # the first mount's log: ~/.local/state/retainzfs
+    assert log in said["tmplog"], out        # HOME not writable: /tmp/retainzfs-UID
+    st = __import__("json").load(open(os.path.join(home, "status.json")))
+    tun = st["tuning"]
+    # a user may not raise the bdi's readahead: said, with the value in force
+    assert tun["read_ahead_kb"] and tun["read_ahead_kb"] < 4096, tun
+    assert "read_ahead_kb" in tun["read_ahead_kb_problem"], tun
+    if user_allow_other:
+        assert "allow_other mounted" in out
+    else:
+        line = [ln for ln in out.splitlines() if ln.startswith("allow_other:")][0]
+        assert "user_allow_other" in line and "fuse_session_mount" not in line, out
+
+
+def test_mkfs_root_owner(make_image, mount_image, tmp_path):
+    """``--root-owner UID:GID`` (mke2fs' ``-E root_owner``) gives the root directory away
+    (root making an image for a user); without it, whoever runs mkfs owns it (root here).
+    A malformed value is a one-line error and writes nothing."""
+    m = mount_image(make_image("256M", "4M", 8, 8, "--root-owner", "1000:1001"))
+    st = os.stat(m)
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (1000, 1001, 0o755)
+    m.remount()
+    assert (os.stat(m).st_uid, os.stat(m).st_gid) == (1000, 1001)
+    m2 = mount_image(make_image("256M"), name="m2")
+    assert (os.stat(m2).st_uid, os.stat(m2).st_gid) == (os.getuid(), os.getgid())
+    for bad in ("1000", "x:1", "1:", "-1:0", "4294967295:0", "1:2:3", "١:1"):
+        img = tmp_path / "bad.zns"
+        p = run("mkfs.retainzfs", "--size", "64M", "--root-owner", bad, img, check=False)
+        assert p.returncode == 2 and "UID:GID" in p.stderr and not img.exists(), (bad, p)
+        last = p.stderr.strip().splitlines()[-1]          # (argparse's usage above it)
+        assert last.startswith("mkfs.retainzfs: error: argument --root-owner"), p.stderr
+        assert "Traceback" not in p.stderr
+
+
+def test_a_log_in_shared_tmp_must_be_a_private_directory_of_ours(tmp_path, monkeypatch):
+    """The last place a user's daemon logs to is /tmp/retainzfs-UID: a name there someone
+    else made (a symlink to a file of the user's, a directory others may write) is refused,
+    as is a symlink at the log's own name (O_NOFOLLOW)."""
+    from retainzfs.cli import mount as M
+    fresh = tmp_path / "fresh"
+    assert M._private_tmp_dir(str(fresh))
+    assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o700
+    target = tmp_path / "victim"
+    target.mkdir()
+    (tmp_path / "link").symlink_to(target)
+    assert not M._private_tmp_dir(str(tmp_path / "link"))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    assert not M._private_tmp_dir(str(shared))
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    os.chown(other, NOBODY, NOBODY)
+    assert not M._private_tmp_dir(str(other))
+
+    monkeypatch.setattr(M, "_log_dirs", lambda: [(str(tmp_path / "state"), False),
+                                                 (str(fresh), True)])
+    (tmp_path / "state").mkdir()
+    victim = target / "file"
+    victim.write_text("keep\n")
+    (tmp_path / "state" / "mnt.log").symlink_to(victim)
+    path, fd = M._open_default_log("/mnt")          # the symlinked name: skipped
+    os.close(fd)
+    assert path == str(fresh / "mnt.log") and victim.read_text() == "keep\n"
+
+
+def test_allow_other_for_a_user_needs_user_allow_other(tmp_path, monkeypatch):
+    from retainzfs.cli import mount as M
+    conf = tmp_path / "fuse.conf"
+    conf.write_text("# user_allow_other\nmount_max = 1000\n")
+    assert M._user_may_not(["allow_other"], str(conf)) is None       # root may
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    why = M._user_may_not(["allow_root"], str(conf))
+    assert "allow_root" in why and "user_allow_other" in why and str(conf) in why
+    assert M._user_may_not([], str(conf)) is None
+    assert M._user_may_not(["allow_other"], str(tmp_path / "missing")) is not None
+    conf.write_text("user_allow_other   # for the checkpoint mount\n")
+    assert M._user_may_not(["allow_other"], str(conf)) is None
