@@ -96,15 +96,17 @@ def as_nobody():
     cover = _uncover_script([sys.executable, os.path.dirname(retainzfs.__file__)], stash)
     bindir = os.path.dirname(sys.executable)
 
-    def go(script: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    def go(script: str, then_as_root: str = "", timeout: float = 180
+           ) -> subprocess.CompletedProcess:
         body = os.path.join(home, "script.sh")
         with open(body, "w") as f:
             f.write("set -eu\n" + textwrap.dedent(script))
         os.chmod(body, 0o755)
         outer = (f"set -e\n{cover}\n"
-                 f"exec setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups "
+                 f"setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups "
                  f"env -i HOME={home} PATH={bindir}:/usr/bin:/bin LANG=C.UTF-8 "
-                 f"bash {body}\n")
+                 f"bash {body}\n"
+                 f"cd {home}\nexport PATH={bindir}:$PATH\n{textwrap.dedent(then_as_root)}\n")
         return subprocess.run(["unshare", "--mount", "--propagation", "private",
                                "bash", "-c", outer], capture_output=True, text=True,
                               timeout=timeout)
@@ -259,3 +261,32 @@ def test_allow_other_for_a_user_needs_user_allow_other(tmp_path, monkeypatch):
     assert M._user_may_not(["allow_other"], str(tmp_path / "missing")) is not None
     conf.write_text("user_allow_other   # for the checkpoint mount\n")
     assert M._user_may_not(["allow_other"], str(conf)) is None
+
+
+def test_root_asking_a_users_mount_is_told_why_it_is_refused(as_nobody):
+    """FUSE keeps everyone else out of a mount made without ``allow_other``, root too:
+    ``status`` said only "Permission denied".  It names the user now; mkfs, fsck and a
+    second mount of the image still refuse in one line."""
+    go, home = as_nobody
+    p = go("""
+        cd "$HOME"
+        mkfs.retainzfs -q --size 256M ck.zns
+        mkdir ck
+        mount.retainzfs ck.zns ck
+        echo data > ck/f
+    """, then_as_root="""
+        retainzfs status ck > st.out 2>&1 || echo "status rc=$?"
+        cat st.out
+        retainzfs fsck ck.zns 2>&1 || true
+        mkfs.retainzfs --force ck.zns 2>&1 || true
+        mkdir ck3; mount.retainzfs ck.zns ck3 2>&1 || true
+        umount ck
+        echo done
+    """)
+    out = p.stdout
+    assert p.returncode == 0 and "done" in out, (out, p.stderr)
+    assert "status rc=1" in out
+    assert f"Permission denied (mounted by uid {NOBODY} without allow_other" in out, out
+    assert "is mounted; unmount it before fsck" in out
+    assert "unmount it first" in out and "already mounted at" in out
+    assert "Traceback" not in out

@@ -1,6 +1,7 @@
 """Shared CLI helpers: size parsing, one-line errors, locating a mount."""
 from __future__ import annotations
 
+import errno
 import os
 import re
 import sys
@@ -50,6 +51,28 @@ def _retainzfs_mountpoints() -> list[str]:
                     if line.split()[2] == "fuse.retainzfs"]
     except OSError:
         return []
+
+
+def access_hint(mnt: str, err: BaseException) -> str:
+    """What to add to a refused request to a mount: FUSE lets no one but the user who
+    mounted (not even root) into a mount made without ``allow_other``."""
+    if getattr(err, "errno", None) not in (errno.EACCES, errno.EPERM):
+        return ""
+    want = {os.path.abspath(mnt), os.path.realpath(mnt)}
+    try:
+        with open("/proc/mounts", errors="surrogateescape") as f:
+            for line in f:
+                _, where, fstype, opts = line.split()[:4]
+                if fstype == "fuse.retainzfs" and unescape_mount_field(where) in want:
+                    kv = dict(o.partition("=")[::2] for o in opts.split(","))
+                    uid = kv.get("user_id")
+                    if ("allow_other" not in kv and uid is not None
+                            and uid != str(os.geteuid())):
+                        return (f" (mounted by uid {uid} without allow_other: only that user "
+                                "may use it)")
+    except (OSError, ValueError):
+        pass
+    return ""
 
 
 def is_retainzfs_mount(path: str) -> bool:

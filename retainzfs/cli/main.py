@@ -10,8 +10,8 @@ import sys
 import xattr
 
 from .. import hints as H
-from .common import (DAEMON_TIMEOUT, ask_daemon, die, find_mount_of, is_retainzfs_mount,
-                     no_superblock_message)
+from .common import (DAEMON_TIMEOUT, access_hint, ask_daemon, die, find_mount_of,
+                     is_retainzfs_mount, no_superblock_message)
 
 STATUS_XATTR = H.XATTR_STATUS.decode()
 
@@ -21,7 +21,7 @@ def _status_from_mount(mnt: str, timeout: float = DAEMON_TIMEOUT) -> dict:
         return json.loads(ask_daemon(mnt, "the status request",
                                      lambda: xattr.getxattr(mnt, STATUS_XATTR), timeout))
     except OSError as e:
-        die(f"{mnt}: cannot read status from the mount: {e.strerror}")
+        die(f"{mnt}: cannot read status from the mount: {e.strerror}{access_hint(mnt, e)}")
 
 
 def _open_offline(target: str, readonly: bool = True):

@@ -22,7 +22,7 @@ import time
 import xattr
 
 from .. import hints as H
-from .common import die, find_mount_of, mount_root
+from .common import access_hint, die, find_mount_of, mount_root
 
 READ = 4 << 20
 STATUS_XATTR = H.XATTR_STATUS.decode()
@@ -47,7 +47,8 @@ def _status(root: str) -> dict:
     try:
         return json.loads(xattr.getxattr(root, STATUS_XATTR))
     except (OSError, ValueError) as e:
-        die(f"{root}: cannot read status from the mount: {getattr(e, 'strerror', None) or e}")
+        die(f"{root}: cannot read status from the mount: {getattr(e, 'strerror', None) or e}"
+            f"{access_hint(root, e)}")
 
 
 def _walk(top: str) -> tuple[list[tuple[str, int]], list[dict]]:
