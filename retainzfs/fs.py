@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import stat
+import sys
 import threading
 
 from . import _fuse
@@ -280,8 +281,48 @@ class Operations:
 
 
 def mount(ops: Operations, mountpoint: str, options: set[str]) -> None:
-    """Mount (RuntimeError when libfuse refuses); ``serve`` then answers the requests."""
-    _fuse.mount(ops, mountpoint, sorted(options))
+    """Mount (RuntimeError when libfuse refuses); ``serve`` then answers the requests.
+
+    The error carries why: libfuse (our log handler) and, for a user, the setuid
+    ``fusermount3`` it runs write their reason to standard error -- the daemon's log -- and
+    the caller saw only "fuse_session_mount() failed" (``-o allow_other`` without
+    ``user_allow_other``, a container without /dev/fuse or with no-new-privileges).  What
+    they write meanwhile is caught and copied to the log as before."""
+    sys.stderr.flush()
+    try:
+        said = os.memfd_create("retainzfs-mount-output", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        said = None                               # (no memfd: the bare error, as before)
+    keep = os.dup(2) if said is not None else None
+    if said is not None:
+        os.dup2(said, 2)
+    failed = None
+    try:
+        _fuse.mount(ops, mountpoint, sorted(options))
+    except RuntimeError as e:
+        failed = e
+    finally:
+        if said is not None:
+            sys.stderr.flush()
+            os.dup2(keep, 2)
+            os.close(keep)
+            text = rest = os.pread(said, 1 << 16, 0)
+            os.close(said)
+            while rest:
+                rest = rest[os.write(2, rest):]
+    if failed is not None:
+        why = _mount_reason(text.decode(errors="replace") if said is not None else "")
+        raise RuntimeError(f"{failed}: {why}" if why else str(failed)) from None
+
+
+def _mount_reason(output: str) -> str:
+    """The last thing libfuse or fusermount said while mounting, or ""."""
+    for line in reversed(output.splitlines()):
+        if " libfuse: " in line:
+            return line.split(" libfuse: ", 1)[1].strip()
+        if line.startswith("fusermount"):
+            return line.strip()
+    return ""
 
 
 def serve(store: Store, ops: Operations, mountpoint: str, sync_interval: float = 1.0,

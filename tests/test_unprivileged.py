@@ -290,3 +290,33 @@ def test_root_asking_a_users_mount_is_told_why_it_is_refused(as_nobody):
     assert "is mounted; unmount it before fsck" in out
     assert "unmount it first" in out and "already mounted at" in out
     assert "Traceback" not in out
+
+
+def test_a_refused_mount_says_what_libfuse_or_fusermount3_said(as_nobody):
+    """The caller saw "fuse_session_mount() failed" and nothing more; the reason was in the
+    daemon's log.  A container run with no-new-privileges (the setuid fusermount3 cannot
+    mount: ``setpriv --no-new-privs``) and one without /dev/fuse (a tmpfs over /dev here)."""
+    go, home = as_nobody
+    p = go("""
+        cd "$HOME"
+        mkfs.retainzfs -q --size 256M ck.zns
+        mkdir ck
+        if setpriv --no-new-privs mount.retainzfs ck.zns ck 2> nnp.err; then echo mounted; fi
+        echo "nnp: $(cat nnp.err)"
+    """, then_as_root="""
+        mkdir ck4
+        mount -t tmpfs rznodev /dev
+        mknod -m 666 /dev/null c 1 3
+        if mount.retainzfs -o log=$PWD/root.log ck.zns ck4 2> nodev.err; then echo mounted; fi
+        echo "nodev: $(cat nodev.err)"
+        echo done
+    """)
+    out = p.stdout
+    assert p.returncode == 0 and "done" in out and "mounted" not in out, (out, p.stderr)
+    lines = {ln.split(":", 1)[0]: ln for ln in out.splitlines() if ":" in ln}
+    assert "fusermount3: mount failed: Operation not permitted" in lines["nnp"], out
+    assert "device not found" in lines["nodev"], out
+    for k in ("nnp", "nodev"):
+        assert "fuse_session_mount() failed: " in lines[k] and "Traceback" not in lines[k]
+    # what they said is in the logs as before
+    assert "device not found" in open(os.path.join(home, "root.log")).read()
