@@ -88,6 +88,7 @@ def as_nobody():
         if CI:
             pytest.fail(f"cannot run as an unprivileged user: {why}")
         pytest.skip(why)
+    had_root_tmp_log = os.path.exists("/tmp/retainzfs-0")     # (not ours to remove)
     home = tempfile.mkdtemp(prefix="rz-nobody.", dir="/tmp")
     os.chmod(home, 0o755)
     os.chown(home, NOBODY, NOBODY)
@@ -120,7 +121,10 @@ def as_nobody():
             except ProcessLookupError:
                 pass
         shutil.rmtree(home, ignore_errors=True)
-        shutil.rmtree(f"/tmp/retainzfs-{NOBODY}", ignore_errors=True)
+        for uid in (NOBODY, 0):
+            if uid == 0 and had_root_tmp_log:
+                continue
+            shutil.rmtree(f"/tmp/retainzfs-{uid}", ignore_errors=True)
         subprocess.run(["umount", "-R", stash], capture_output=True)
         shutil.rmtree(stash, ignore_errors=True)
 
@@ -320,3 +324,34 @@ def test_a_refused_mount_says_what_libfuse_or_fusermount3_said(as_nobody):
         assert "fuse_session_mount() failed: " in lines[k] and "Traceback" not in lines[k]
     # what they said is in the logs as before
     assert "device not found" in open(os.path.join(home, "root.log")).read()
+
+
+def test_root_with_a_read_only_var_log_logs_to_a_private_tmp_dir(as_nobody):
+    """A container with a read-only root file system (Kubernetes' readOnlyRootFilesystem)
+    and a writable /tmp: the mount logs to /tmp/retainzfs-0/; with /tmp read-only too, one
+    line names every place tried and ``-o log=``."""
+    go, home = as_nobody
+    p = go("""
+        cd "$HOME"
+        mkfs.retainzfs -q --size 256M ck.zns
+        mkdir ck
+    """, then_as_root="""
+        mkdir -p /var/log/retainzfs
+        mount --bind /var/log /var/log && mount -o remount,bind,ro /var/log
+        mount.retainzfs ck.zns ck
+        echo data > ck/f
+        umount ck
+        echo "tmplog $(ls /tmp/retainzfs-0/ | tr '\\n' ' ')"
+        mount --bind /tmp /tmp && mount -o remount,bind,ro /tmp
+        if mount.retainzfs ck.zns ck 2> rofs.err; then echo mounted; umount ck; fi
+        echo "rofs: $(cat rofs.err)"
+        echo done
+    """)
+    out = p.stdout
+    assert p.returncode == 0 and "done" in out and "mounted" not in out, (out, p.stderr)
+    log = home.strip("/").replace("/", "-") + "-ck.log"
+    said = {ln.split(" ", 1)[0]: ln for ln in out.splitlines() if " " in ln}
+    assert log in said["tmplog"].split(), out
+    rofs = said["rofs:"]
+    assert "cannot open a log file" in rofs and "/var/log/retainzfs/" in rofs, rofs
+    assert "/tmp/retainzfs-0/" in rofs and "-o log=PATH" in rofs, rofs
