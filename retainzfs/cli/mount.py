@@ -10,6 +10,7 @@ import contextlib
 import errno
 import logging
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -426,6 +427,10 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
         if notify_fd is not None:
             os.write(notify_fd, os.fsencode(msg) + b"\n")     # (paths: any bytes)
             os.close(notify_fd)
+        if msg == "OK":
+            _sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {mnt}")
+        else:
+            _sd_notify(f"STATUS={msg[4:]}")
 
     log = logging.getLogger("retainzfs")
     idle, trim_at = _tune_malloc()
@@ -507,6 +512,7 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
         log.exception("FUSE loop failed")
         rc = 1
     finally:
+        _sd_notify(f"STOPPING=1\nSTATUS=unmounting {mnt}")
         try:
             fs.unmount()
         except Exception:
@@ -519,6 +525,24 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
         dev.close()
         log.info("unmounted %s", mnt)
     return rc
+
+
+def _sd_notify(state: str) -> None:
+    """Tell a service manager (systemd's ``Type=notify``, ``$NOTIFY_SOCKET``) that the mount
+    is up (READY=1, only once the kernel has connected) or going down: a unit that starts
+    training ``After=`` this one then never writes into the empty directory under the mount
+    point.  Nothing without ``$NOTIFY_SOCKET``; a socket that cannot be reached is logged."""
+    where = os.environ.get("NOTIFY_SOCKET", "")
+    if not where:
+        return
+    addr = "\0" + where[1:] if where.startswith("@") else where     # (@: abstract namespace)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(os.fsencode(state))
+    except OSError as e:
+        logging.getLogger("retainzfs").warning("cannot notify %s (NOTIFY_SOCKET): %s", where,
+                                               e.strerror or e)
 
 
 #: control characters a log message may carry in a name, escaped (tab kept)

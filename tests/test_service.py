@@ -1,0 +1,97 @@
+"""The mount as a service: ``mount.retainzfs -f`` under systemd's ``Type=notify``.
+
+A platform runs the mount as a unit and starts training ``After=`` it.  With ``Type=simple``
+systemd counts the unit started when the process starts, before the kernel has connected, and
+a job started then writes into the empty directory under the mount point (those files are
+hidden by the mount a moment later: a checkpoint lost in plain sight).  The daemon now says
+READY=1 on ``$NOTIFY_SOCKET`` once the mount is up, and STOPPING=1 when it goes down.  No
+systemd runs here (PID 1 is not systemd), so the socket is the test's own, receiving what
+systemd would.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+
+import pytest
+from conftest import MOUNT, is_mounted, wait_for
+
+
+def _receiver(tmp_path, abstract: bool):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    if abstract:
+        name = f"rz-notify-{os.getpid()}-{id(s)}"
+        s.bind("\0" + name)
+        where = "@" + name
+    else:
+        where = str(tmp_path / "notify.sock")
+        s.bind(where)
+    s.settimeout(30)
+    return s, where
+
+
+@pytest.mark.parametrize("abstract", [False, True], ids=["path", "abstract"])
+def test_ready_only_once_mounted_and_stopping_on_sigterm(image, tmp_path, abstract):
+    sock, where = _receiver(tmp_path, abstract)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    env = dict(os.environ, NOTIFY_SOCKET=where)
+    p = subprocess.Popen([MOUNT, "-f", image, mnt], env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        msg = sock.recv(4096).decode()
+        fields = dict(ln.split("=", 1) for ln in msg.splitlines())
+        assert fields.get("READY") == "1", msg
+        assert is_mounted(mnt)                         # up when READY arrives, not after
+        assert int(fields["MAINPID"]) == p.pid
+        (mnt / "step-1").write_bytes(b"w" * 5000)
+        p.send_signal(signal.SIGTERM)                  # what systemd sends to stop the unit
+        msg = sock.recv(4096).decode()
+        assert "STOPPING=1" in msg.splitlines(), msg
+        assert p.wait(timeout=60) == 0, p.stderr.read()
+        assert not is_mounted(mnt)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+            subprocess.run(["fusermount3", "-uz", mnt], capture_output=True)
+        sock.close()
+    p = subprocess.Popen([MOUNT, "-f", image, mnt], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)       # no NOTIFY_SOCKET: as before
+    try:
+        assert wait_for(lambda: is_mounted(mnt), 30)
+        assert (mnt / "step-1").read_bytes() == b"w" * 5000
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 0
+
+
+def test_a_mount_that_fails_says_why_and_never_ready(tmp_path):
+    sock, where = _receiver(tmp_path, False)
+    sock.settimeout(5)
+    bad = tmp_path / "not-an-image"
+    bad.write_bytes(b"\0" * 65536)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    p = subprocess.run([MOUNT, "-f", bad, mnt], env=dict(os.environ, NOTIFY_SOCKET=where),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    msg = sock.recv(4096).decode()
+    assert msg.startswith("STATUS=") and "READY" not in msg, msg
+    sock.close()
+
+
+def test_an_unreachable_notify_socket_is_logged_not_fatal(image, tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    log = tmp_path / "d.log"
+    env = dict(os.environ, NOTIFY_SOCKET=str(tmp_path / "nobody-listens"))
+    subprocess.run([MOUNT, image, mnt, "-o", f"log={log}"], env=env, check=True, timeout=60)
+    try:
+        (mnt / "f").write_text("x")
+    finally:
+        subprocess.run(["umount", mnt], check=True)
+    assert wait_for(lambda: "unmounted" in log.read_text(), 30)
+    assert "cannot notify" in log.read_text()
