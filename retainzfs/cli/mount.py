@@ -290,6 +290,9 @@ def _user_may_not(fuse_extra: list[str], conf: str = "/etc/fuse.conf") -> str | 
             f"line 'user_allow_other' (fusermount3 refuses it otherwise)")
 
 
+_LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+
+
 def _log_dirs() -> list[tuple[str, bool]]:
     """Where a daemon's log goes unless ``-o log=``, each with whether it is the shared-/tmp
     fallback: /var/log/retainzfs for root; a user's state directory otherwise
@@ -336,9 +339,6 @@ def _open_default_log(mnt: str) -> tuple[str, int]:
             errors.append(f"{path}: {e.strerror or e}")
     die("cannot open a log file (" + "; ".join(errors) + "); name one with -o log=PATH")
     raise AssertionError("unreachable")
-
-
-_LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
 
 
 def _tune_malloc():
