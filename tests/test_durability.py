@@ -904,17 +904,22 @@ def small_ext4(loop_host):
     return loop_host(["mkfs.ext4", "-q", "-m", "0"], "160M")
 
 
-def test_a_full_btrfs_host_still_takes_deletions(loop_host, mount_image):
-    """An image on a 400 MiB btrfs, filled with fsynced files until ENOSPC, all but three
-    deleted, three times over: every unlink succeeds and every kept file reads back after a
-    remount.  Before, the first unlink on the full host failed with EIO, and every change
-    after it: btrfs copies on write, so the metadata zones' preallocated blocks still took
-    new space to be overwritten, and the journal's write failed.  The image is NOCOW now."""
-    if shutil.which("mkfs.btrfs") is None:
+@pytest.mark.parametrize("kind", ["btrfs", "xfs"])
+def test_a_full_btrfs_or_xfs_host_still_takes_deletions(loop_host, mount_image, kind):
+    """An image on a 400 MiB btrfs or XFS, filled with fsynced files until ENOSPC, all but
+    three deleted, three times over: every unlink succeeds and every kept file reads back
+    after a remount.  Before, the first unlink on the full btrfs failed with EIO, and every
+    change after it: btrfs copies on write, so the metadata zones' preallocated blocks still
+    took new space to be overwritten, and the journal's write failed.  The image is NOCOW
+    now.  XFS (the usual file system of a training node's NVMe data disks) preallocates
+    speculatively past a growing file's end and aligns O_DIRECT to its sector size."""
+    tool = {"btrfs": "mkfs.btrfs", "xfs": "mkfs.xfs"}[kind]
+    if shutil.which(tool) is None:
+        pkg = {"btrfs": "btrfs-progs", "xfs": "xfsprogs"}[kind]
         if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("mkfs.btrfs missing (btrfs-progs; scripts/setup.sh installs it)")
-        pytest.skip("mkfs.btrfs missing (btrfs-progs)")
-    host = loop_host(["mkfs.btrfs", "-q"], "400M")
+            pytest.fail(f"{tool} missing ({pkg}; scripts/setup.sh installs it)")
+        pytest.skip(f"{tool} missing ({pkg})")
+    host = loop_host([tool, "-q"] + (["-f"] if kind == "xfs" else []), "400M")
     img = host / "img.zns"
     run(MKFS, "--size", "1G", "--zone-size", "4M", "--quiet", img)
     m = mount_image(img)
