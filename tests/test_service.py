@@ -95,3 +95,39 @@ def test_an_unreachable_notify_socket_is_logged_not_fatal(image, tmp_path):
         subprocess.run(["umount", mnt], check=True)
     assert wait_for(lambda: "unmounted" in log.read_text(), 30)
     assert "cannot notify" in log.read_text()
+
+
+def test_started_with_its_standard_streams_closed(image, tmp_path):
+    """``mount.retainzfs IMG MNT <&- >&- 2>&-`` (a supervisor or init script that closes
+    them): the mount's log took fd 0 and its readiness pipe fds 1 and 2, the daemon's own
+    redirection closed them, the caller was told "daemon exited" (rc 1) and the log stayed
+    empty.  Now it mounts, logs, and in the foreground stops on SIGTERM as usual; mkfs with
+    its output closed makes a clean file system."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    log = tmp_path / "d.log"
+    p = subprocess.run(["bash", "-c", f'exec "{MOUNT}" "$0" "$1" -o log="$2" <&- >&- 2>&-',
+                        image, mnt, log], timeout=60)
+    assert p.returncode == 0
+    try:
+        assert is_mounted(mnt)
+        (mnt / "f").write_bytes(b"k" * 9000)
+    finally:
+        subprocess.run(["umount", mnt], check=True)
+    assert wait_for(lambda: "unmounted" in log.read_text(), 30)
+    assert "mounted" in log.read_text()
+    fg = subprocess.Popen(["bash", "-c", f'exec "{MOUNT}" -f "$0" "$1" <&- >&- 2>&-',
+                           image, mnt])
+    try:
+        assert wait_for(lambda: is_mounted(mnt), 30)
+        assert (mnt / "f").read_bytes() == b"k" * 9000
+    finally:
+        fg.send_signal(signal.SIGTERM)
+        assert fg.wait(timeout=60) == 0
+    img2 = tmp_path / "closed-out.zns"
+    p = subprocess.run(["bash", "-c", 'exec mkfs.retainzfs --size 64M "$0" <&- >&- 2>&-',
+                        img2], timeout=60)
+    assert p.returncode == 0
+    for target in (image, img2):
+        out = subprocess.run(["retainzfs", "fsck", target], capture_output=True, text=True)
+        assert out.returncode == 0 and "0 problems" in out.stdout, out
