@@ -322,12 +322,25 @@ def _private_tmp_dir(path: str) -> bool:
             and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
+def _log_name(real_mnt: str) -> str:
+    """The log's name for a mount point: its path with ``-`` for ``/``; a path too long for
+    one name (NAME_MAX is 255 bytes; a pod's volume path under /var/lib/kubelet can near it)
+    keeps its end and a hash of the whole, so two deep mount points never share a log."""
+    name = real_mnt.strip("/").replace("/", "-") or "root"
+    raw = os.fsencode(name)
+    if len(raw) <= 200:
+        return f"{name}.log"
+    import hashlib
+    tail = os.fsdecode(raw[-160:]).lstrip("-")
+    return f"{hashlib.sha256(raw).hexdigest()[:16]}-{tail}.log"
+
+
 def _open_default_log(mnt: str) -> tuple[str, int]:
     """(path, fd) of the mount's log in the first of ``_log_dirs`` that takes it."""
-    name = os.path.realpath(mnt).strip("/").replace("/", "-") or "root"
+    name = _log_name(os.path.realpath(mnt))
     errors = []
     for base, shared_tmp in _log_dirs():
-        path = os.path.join(base, f"{name}.log")
+        path = os.path.join(base, name)
         try:
             if shared_tmp:
                 if not _private_tmp_dir(base):
