@@ -338,6 +338,7 @@ def test_root_with_a_read_only_var_log_logs_to_a_private_tmp_dir(as_nobody):
     """, then_as_root="""
         mkdir -p /var/log/retainzfs
         mount --bind /var/log /var/log && mount -o remount,bind,ro /var/log
+        export HOME=/var/log                # (its ~/.local/state: read-only as well)
         mount.retainzfs ck.zns ck
         echo data > ck/f
         umount ck
@@ -355,3 +356,46 @@ def test_root_with_a_read_only_var_log_logs_to_a_private_tmp_dir(as_nobody):
     rofs = said["rofs:"]
     assert "cannot open a log file" in rofs and "/var/log/retainzfs/" in rofs, rofs
     assert "/tmp/retainzfs-0/" in rofs and "-o log=PATH" in rofs, rofs
+
+
+def test_root_in_a_user_namespace_makes_and_mounts_an_image(as_nobody):
+    """"root" in a user namespace (rootless podman, Apptainer with --fakeroot): uid 0
+    there, a plain user outside.  The log went to /var/log/retainzfs (root's) and then to
+    /tmp/retainzfs-0, whose owner (the real root) it rightly refused: no mount at all.  It
+    now logs in the user's state directory; the bdi readahead is refused as for a user."""
+    go, home = as_nobody
+    probe = go("unshare --user --map-root-user true && echo userns-ok")
+    if "userns-ok" not in probe.stdout:
+        why = f"no unprivileged user namespaces here: {probe.stderr.strip()[-200:]}"
+        if CI:
+            pytest.fail(why)
+        pytest.skip(why)
+    p = go("""
+        cd "$HOME"
+        mkdir ck
+        unshare --user --map-root-user --mount bash -euc '
+            echo "uid $(id -u)"
+            mkfs.retainzfs -q --size 256M ck.zns
+            mount.retainzfs ck.zns ck
+            echo hi > ck/f
+            dd if=/dev/urandom of=ck/g bs=1M count=12 conv=fsync status=none
+            sha256sum ck/f ck/g > sums
+            retainzfs status ck --json > status.json
+            umount ck
+            mount.retainzfs ck.zns ck
+            sha256sum -c --quiet sums && echo "sums ok"
+            echo "ls $(stat -c %u ck/f ck/g | tr "\\n" " ")"
+            fusermount3 -u ck
+            for i in $(seq 100); do retainzfs fsck ck.zns > fsck.out 2>&1 && break; sleep 0.1; done
+            cat fsck.out
+        '
+        echo "logs $(ls .local/state/retainzfs/ | tr '\\n' ' ')"
+        echo done
+    """)
+    out = p.stdout
+    assert p.returncode == 0 and "done" in out, (out, p.stderr)
+    assert "uid 0" in out and "sums ok" in out and "ls 0 0" in out and "0 problems" in out, out
+    assert home.strip("/").replace("/", "-") + "-ck.log" in out, out
+    import json
+    tun = json.load(open(os.path.join(home, "status.json")))["tuning"]
+    assert "read_ahead_kb" in tun.get("read_ahead_kb_problem", ""), tun

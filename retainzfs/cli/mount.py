@@ -295,19 +295,19 @@ _LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
 
 def _log_dirs() -> list[tuple[str, bool]]:
     """Where a daemon's log goes unless ``-o log=``, each with whether it is the shared-/tmp
-    fallback: /var/log/retainzfs for root; a user's state directory otherwise
-    (``$XDG_STATE_HOME``, ``~/.local/state``: a user mounting an image of their own cannot
-    write /var/log); last, a directory of the user's own in /tmp."""
+    fallback: /var/log/retainzfs for root; the user's state directory (``$XDG_STATE_HOME``,
+    ``~/.local/state``: a user mounting an image of their own cannot write /var/log, nor can
+    "root" in a user namespace -- rootless podman, Apptainer); last, a directory of the
+    user's own in /tmp."""
     dirs = []
     if os.geteuid() == 0:
         dirs.append(("/var/log/retainzfs", False))
-    else:
-        state = os.environ.get("XDG_STATE_HOME") or ""
-        if not os.path.isabs(state):        # (the spec: a relative value is to be ignored)
-            home = os.path.expanduser("~")
-            state = os.path.join(home, ".local", "state") if os.path.isabs(home) else ""
-        if state:
-            dirs.append((os.path.join(state, "retainzfs"), False))
+    state = os.environ.get("XDG_STATE_HOME") or ""
+    if not os.path.isabs(state):            # (the spec: a relative value is to be ignored)
+        home = os.path.expanduser("~")
+        state = os.path.join(home, ".local", "state") if os.path.isabs(home) else ""
+    if state:
+        dirs.append((os.path.join(state, "retainzfs"), False))
     dirs.append((f"/tmp/retainzfs-{os.geteuid()}", True))
     return dirs
 
