@@ -603,6 +603,14 @@ def _access(readonly: bool) -> int:
     return os.O_RDONLY if readonly else os.O_RDWR
 
 
+def _read_only_hint(path: str, flags: int) -> str:
+    """When writing was refused but reading is allowed: say that ``-o ro`` mounts it (an image
+    or device the user may only read: another user's, chmod 444, a disk group with r--)."""
+    if flags & os.O_ACCMODE != os.O_RDONLY and os.access(path, os.R_OK):
+        return " for writing (this user may only read it; mount.retainzfs -o ro mounts it so)"
+    return ""
+
+
 def _open_locked(path: str, flags: int, what: str = "zoned image") -> int:
     """Open ``path`` and take an exclusive flock, mapping failures to DeviceError."""
     try:
@@ -612,7 +620,7 @@ def _open_locked(path: str, flags: int, what: str = "zoned image") -> int:
     except IsADirectoryError:
         raise DeviceError(f"{path} is a directory, not a {what}") from None
     except PermissionError:
-        raise DeviceError(f"{path}: permission denied") from None
+        raise DeviceError(f"{path}: permission denied{_read_only_hint(path, flags)}") from None
     except OSError as e:
         raise DeviceError(f"{path}: cannot open: {e.strerror}") from None
     try:
@@ -1275,7 +1283,8 @@ class BlockZonedDevice(ZonedDevice):
             if e.errno == errno.EBUSY:
                 raise DeviceError(f"{path} is in use (mounted or opened by another process)") from None
             if e.errno in (errno.EACCES, errno.EPERM):
-                raise DeviceError(f"{path}: permission denied") from None
+                raise DeviceError(f"{path}: permission denied"
+                                  f"{_read_only_hint(path, _access(readonly))}") from None
             raise DeviceError(f"{path}: cannot open: {e.strerror}") from None
         try:
             self._setup(path, fd, lbs, zone_size, nr_zones, max_open, max_active)

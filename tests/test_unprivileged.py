@@ -399,3 +399,33 @@ def test_root_in_a_user_namespace_makes_and_mounts_an_image(as_nobody):
     import json
     tun = json.load(open(os.path.join(home, "status.json")))["tuning"]
     assert "read_ahead_kb" in tun.get("read_ahead_kb_problem", ""), tun
+
+
+def test_an_image_the_user_may_only_read_says_so_and_mounts_read_only(as_nobody):
+    """A user's image made read-only (chmod 444, a shared image of another user's): "permission
+    denied" alone did not say that ``-o ro`` would mount it."""
+    go, home = as_nobody
+    p = go("""
+        cd "$HOME"
+        mkfs.retainzfs -q --size 256M ck.zns
+        mkdir ck
+        mount.retainzfs ck.zns ck
+        echo kept > ck/f
+        fusermount3 -u ck
+        for i in $(seq 100); do retainzfs fsck ck.zns > /dev/null 2>&1 && break; sleep 0.1; done
+        chmod 444 ck.zns
+        if mount.retainzfs ck.zns ck 2> rw.err; then echo "mounted rw"; fusermount3 -u ck; fi
+        echo "rw: $(cat rw.err)"
+        mount.retainzfs -o ro ck.zns ck
+        echo "ro: $(cat ck/f)"
+        if (echo x > ck/g) 2> w.err; then echo "wrote"; fi
+        echo "w: $(cat w.err)"
+        fusermount3 -u ck
+        echo done
+    """)
+    out = p.stdout
+    assert p.returncode == 0 and "done" in out, (out, p.stderr)
+    assert "mounted rw" not in out and "wrote" not in out, out
+    rw = [ln for ln in out.splitlines() if ln.startswith("rw:")][0]
+    assert "permission denied for writing" in rw and "-o ro" in rw, rw
+    assert "ro: kept" in out and "Read-only file system" in out, out
