@@ -14,9 +14,10 @@ import os
 import signal
 import socket
 import subprocess
+import time
 
 import pytest
-from conftest import MOUNT, is_mounted, wait_for
+from conftest import MOUNT, daemon_pids, is_mounted, wait_for
 
 
 def _receiver(tmp_path, abstract: bool):
@@ -131,3 +132,138 @@ def test_started_with_its_standard_streams_closed(image, tmp_path):
     for target in (image, img2):
         out = subprocess.run(["retainzfs", "fsck", target], capture_output=True, text=True)
         assert out.returncode == 0 and "0 problems" in out.stdout, out
+
+
+@pytest.fixture
+def leftovers():
+    """Unmounts and kills what a failing test of this group would leave behind (a daemon
+    that mounted after all)."""
+    seen = []
+    yield seen.append
+    for image, mnt in seen:
+        for pid in set(daemon_pids(image)) | set(_started_for(image)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if wait_for(lambda: is_mounted(mnt), 0.5):
+            subprocess.run(["fusermount3", "-uz", mnt], capture_output=True)
+
+
+def _started_for(image) -> list[int]:
+    """Daemons whose command line names ``image`` (one still waiting for its lock has no
+    descriptor of it open)."""
+    out = []
+    for p in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"mount.retainzfs") for a in argv) and os.fsencode(image) in argv:
+            out.append(int(p))
+    return out
+
+
+def _holding_the_image(image, seconds: float) -> subprocess.Popen:
+    """Another process holds the image's lock (as an exiting daemon does): the new daemon
+    waits for it, up to 10 s, before it mounts."""
+    h = subprocess.Popen(["flock", image, "sleep", str(seconds)])
+    assert wait_for(lambda: _locked(image), 10)
+    return h
+
+
+def _locked(image) -> bool:
+    import fcntl
+    with open(image, "rb") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupting_a_mount_stops_its_daemon(image, tmp_path, sig, leftovers):
+    """Ctrl-C on a mount that is still starting (here: waiting for the image's lock), or
+    systemd's SIGTERM when a mount takes too long: the caller printed a KeyboardInterrupt
+    traceback (or died), and the daemon went on to mount what the caller had given up on.
+    Now the daemon is stopped, the caller says so in one line (128 + signal), nothing is
+    mounted after the lock is free, and the image is clean."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    leftovers((image, mnt))
+    log = tmp_path / "d.log"
+    holder = _holding_the_image(image, 4)
+    p = subprocess.Popen([MOUNT, image, mnt, "-o", f"log={log}"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: "daemon" in _children(p.pid) or p.poll() is not None, 10)
+        time.sleep(0.5)
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + sig, (p.returncode, err)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "interrupted" in err and "nothing is mounted" in err, err
+    holder.wait()
+    time.sleep(1.5)                              # (the lock is free: no late mount appears)
+    assert not is_mounted(mnt)
+    assert "not mounting" in log.read_text(), log.read_text()
+    assert "Traceback" not in log.read_text()
+    out = subprocess.run(["retainzfs", "fsck", image], capture_output=True, text=True)
+    assert "0 problems" in out.stdout, out
+
+
+def _children(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return "daemon" if f.read().split() else ""
+    except OSError:
+        return ""
+
+
+def test_a_foreground_daemon_told_to_stop_while_starting_mounts_nothing(image, tmp_path,
+                                                                       leftovers):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    leftovers((image, mnt))
+    holder = _holding_the_image(image, 3)
+    p = subprocess.Popen([MOUNT, "-f", image, mnt], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    time.sleep(1)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode != 0 and "Traceback" not in err, err
+    assert "not mounting" in err, err
+    holder.wait()
+    time.sleep(1)
+    assert not is_mounted(mnt)
+
+
+def test_a_daemon_whose_caller_was_killed_mounts_and_says_so(image, tmp_path, leftovers):
+    """The caller SIGKILLed while its daemon waits (no chance to stop it): the daemon mounts
+    and serves, and its log says the caller is gone -- before, a BrokenPipeError traceback
+    from the thread that reports readiness."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    leftovers((image, mnt))
+    log = tmp_path / "d.log"
+    holder = _holding_the_image(image, 2)
+    p = subprocess.Popen([MOUNT, image, mnt, "-o", f"log={log}"])
+    time.sleep(0.5)
+    p.kill()
+    p.wait()
+    holder.wait()
+    try:
+        assert wait_for(lambda: is_mounted(mnt), 30)
+        (mnt / "f").write_text("served")
+        assert (mnt / "f").read_text() == "served"
+    finally:
+        subprocess.run(["umount", mnt], check=True)
+    assert wait_for(lambda: "unmounted" in log.read_text(), 30)
+    text = log.read_text()
+    assert "started this daemon is gone" in text and "Traceback" not in text, text

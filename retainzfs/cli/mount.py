@@ -10,6 +10,7 @@ import contextlib
 import errno
 import logging
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -206,7 +207,7 @@ def _open_store(target: str, ours: dict):
                 ours.get("image_io", "auto")), readonly=ours.get("readonly", False))
             break
         except DeviceError as e:
-            if "in use" in str(e) and time.monotonic() < deadline:
+            if "in use" in str(e) and time.monotonic() < deadline and not _STOP:
                 time.sleep(0.2)
                 continue
             raise
@@ -438,8 +439,15 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
 
     def notify(msg: str) -> None:
         if notify_fd is not None:
-            os.write(notify_fd, os.fsencode(msg) + b"\n")     # (paths: any bytes)
+            try:
+                os.write(notify_fd, os.fsencode(msg) + b"\n")     # (paths: any bytes)
+            except OSError as e:            # (EPIPE: the caller was killed; we go on)
+                if not _STOP:               # (else it stopped listening: it interrupted us)
+                    log.warning("the mount.retainzfs that started this daemon is gone (%s)",
+                                e.strerror or e)
             os.close(notify_fd)
+        if _STOP and msg != "OK":
+            log.info("signal %d before mounting: not mounting %s (%s)", _STOP[0], mnt, msg[4:])
         if msg == "OK":
             _sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {mnt}")
         else:
@@ -477,6 +485,11 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
                 die(msg)
             return 1
     ops = fs.Operations(store)
+    if _STOP:                       # asked to stop while opening (a caller's Ctrl-C): no mount
+        store.close()
+        dev.close()
+        notify(f"ERR interrupted (signal {_STOP[0]}) before mounting")
+        return 1
     try:
         extra = list(fuse_extra) + (["ro"] if ours.get("readonly") else [])
         fs.mount(ops, mnt, fs.fuse_options(os.path.realpath(target), extra))
@@ -506,9 +519,14 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
             "readahead": store.reads.ra.pool.size, "readahead_wanted": store.reads.ra.pool.wanted}
         log.info("mounted %s on %s (allocator=%s, read_ahead_kb=%s, image_io=%s)", target, mnt,
                  store.opts.allocator, ra, store.tuning["image_io"])
+        if _STOP:                   # a signal came while mounting: libfuse's handler now stops
+            log.info("signal %d while mounting: unmounting", _STOP[0])
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         notify("OK")
 
     rc = 0
+    _stop_signals(signal.SIG_DFL)           # libfuse installs its own only over SIG_DFL
     try:
         code = fs.serve(store, ops, mnt, ours.get("sync_interval", 1.0), ready=ready, idle=idle,
                         max_threads=budget.fuse_threads)
@@ -538,6 +556,54 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
         dev.close()
         log.info("unmounted %s", mnt)
     return rc
+
+
+#: the signal(s) that asked the daemon to stop before libfuse's handlers were in place
+_STOP: list[int] = []
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _stop_signals(handler) -> None:
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, handler)
+
+
+def _asked_to_stop(sig: int, frame) -> None:
+    """Before serving: remember, so ``serve`` mounts nothing or unmounts at once.  Python's
+    defaults were a KeyboardInterrupt traceback (SIGINT) or death between the mount and the
+    loop (SIGTERM), which left a dead mount point."""
+    _STOP.append(sig)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _interrupt(sig: int, frame) -> None:
+    raise _Interrupted(sig)
+
+
+def _wait_or_stop(pid: int, r: int, mnt: str, logfile: str) -> str:
+    """The daemon's readiness line.  Interrupted (Ctrl-C, or systemd's SIGTERM when a mount
+    takes too long): the daemon is stopped too -- before, it went on and mounted what the
+    caller had given up on, and the caller printed a KeyboardInterrupt traceback."""
+    _stop_signals(_interrupt)
+    try:
+        with os.fdopen(r, errors="surrogateescape") as f:
+            return f.readline().strip()
+    except _Interrupted as e:
+        sig = e.args[0]
+        _stop_signals(signal.SIG_IGN)         # (a second Ctrl-C: the daemon is told once)
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                die(f"interrupted ({signal.Signals(sig).name}): the daemon stopped; nothing is "
+                    f"mounted on {mnt}", 128 + sig)
+            time.sleep(0.05)
+        die(f"interrupted ({signal.Signals(sig).name}): the daemon (pid {pid}) was told to stop "
+            f"and has not yet (see {logfile})", 128 + sig)
+    raise AssertionError("unreachable")
 
 
 def _sd_notify(state: str) -> None:
@@ -595,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.DEBUG if ours.get("debug") else logging.INFO
     if args.foreground:
         _log_to(sys.stderr, level)
+        _stop_signals(_asked_to_stop)
         return serve(target, os.path.realpath(mnt), ours, fuse_extra, None)
 
     if ours.get("log"):
@@ -620,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             _log_to(sys.stderr, level)
+            _stop_signals(_asked_to_stop)
             code = serve(target, mnt, ours, fuse_extra, w)
         except BaseException:
             logging.getLogger("retainzfs").exception("daemon failed")
@@ -627,8 +695,7 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(code)
     os.close(w)
     os.close(fd)
-    with os.fdopen(r, errors="surrogateescape") as f:
-        msg = f.readline().strip()
+    msg = _wait_or_stop(pid, r, mnt, logfile)
     if msg == "OK":
         return 0
     die(msg[4:] if msg.startswith("ERR ") else f"daemon exited before mounting (see {logfile})")
