@@ -525,8 +525,7 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
             return
         notify("OK")
 
-    rc = 0
-    _stop_signals(signal.SIG_DFL)           # libfuse installs its own only over SIG_DFL
+    rc = 0                          # (_fuse.serve puts SIG_DFL back, for libfuse's handlers)
     try:
         code = fs.serve(store, ops, mnt, ours.get("sync_interval", 1.0), ready=ready, idle=idle,
                         max_threads=budget.fuse_threads)
