@@ -59,11 +59,15 @@ def test_ready_only_once_mounted_and_stopping_on_sigterm(image, tmp_path, abstra
             p.wait()
             subprocess.run(["fusermount3", "-uz", mnt], capture_output=True)
         sock.close()
-    p = subprocess.Popen([MOUNT, "-f", image, mnt], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)       # no NOTIFY_SOCKET: as before
+    _serve_and_read([MOUNT, "-f", image, mnt], mnt, "step-1", b"w" * 5000)  # no NOTIFY_SOCKET
+
+
+def _serve_and_read(argv, mnt, name: str, want: bytes) -> None:
+    """A foreground daemon from ``argv``: mounted, ``name`` reads back, SIGTERM stops it."""
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         assert wait_for(lambda: is_mounted(mnt), 30)
-        assert (mnt / "step-1").read_bytes() == b"w" * 5000
+        assert (mnt / name).read_bytes() == want
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=60) == 0
@@ -117,14 +121,8 @@ def test_started_with_its_standard_streams_closed(image, tmp_path):
         subprocess.run(["umount", mnt], check=True)
     assert wait_for(lambda: "unmounted" in log.read_text(), 30)
     assert "mounted" in log.read_text()
-    fg = subprocess.Popen(["bash", "-c", f'exec "{MOUNT}" -f "$0" "$1" <&- >&- 2>&-',
-                           image, mnt])
-    try:
-        assert wait_for(lambda: is_mounted(mnt), 30)
-        assert (mnt / "f").read_bytes() == b"k" * 9000
-    finally:
-        fg.send_signal(signal.SIGTERM)
-        assert fg.wait(timeout=60) == 0
+    _serve_and_read(["bash", "-c", f'exec "{MOUNT}" -f "$0" "$1" <&- >&- 2>&-', image, mnt],
+                    mnt, "f", b"k" * 9000)
     img2 = tmp_path / "closed-out.zns"
     p = subprocess.run(["bash", "-c", 'exec mkfs.retainzfs --size 64M "$0" <&- >&- 2>&-',
                         img2], timeout=60)

@@ -28,6 +28,9 @@ import pytest
 from conftest import run
 
 NOBODY = 65534
+#: the user's first steps, as the README gives them (a script line of ``go``)
+MADE_AND_MOUNTED = ("cd \"$HOME\"; mkfs.retainzfs -q --size 256M ck.zns; mkdir ck; "
+                    "mount.retainzfs ck.zns ck")
 CI = os.environ.get("CI") == "true"
 
 
@@ -100,8 +103,9 @@ def as_nobody():
     def go(script: str, then_as_root: str = "", timeout: float = 180
            ) -> subprocess.CompletedProcess:
         body = os.path.join(home, "script.sh")
+        script = textwrap.dedent(script).replace("{MADE_AND_MOUNTED}", MADE_AND_MOUNTED)
         with open(body, "w") as f:
-            f.write("set -eu\n" + textwrap.dedent(script))
+            f.write("set -eu\n" + script)
         os.chmod(body, 0o755)
         outer = (f"set -e\n{cover}\n"
                  f"setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups "
@@ -151,10 +155,7 @@ def test_a_user_makes_mounts_writes_and_remounts_an_image_of_their_own(as_nobody
             else open(os.devnull) as f:
         user_allow_other = any(ln.split("#", 1)[0].strip() == "user_allow_other" for ln in f)
     p = go(r"""
-        cd "$HOME"
-        mkfs.retainzfs -q --size 256M ck.zns
-        mkdir ck
-        mount.retainzfs ck.zns ck
+        {MADE_AND_MOUNTED}
         echo "owner $(stat -c %u:%g ck)"
         echo hello > ck/a
         dd if=/dev/urandom of=ck/big bs=1M count=24 conv=fsync status=none
@@ -273,10 +274,7 @@ def test_root_asking_a_users_mount_is_told_why_it_is_refused(as_nobody):
     second mount of the image still refuse in one line."""
     go, home = as_nobody
     p = go("""
-        cd "$HOME"
-        mkfs.retainzfs -q --size 256M ck.zns
-        mkdir ck
-        mount.retainzfs ck.zns ck
+        {MADE_AND_MOUNTED}
         echo data > ck/f
     """, then_as_root="""
         retainzfs status ck > st.out 2>&1 || echo "status rc=$?"
@@ -406,10 +404,7 @@ def test_an_image_the_user_may_only_read_says_so_and_mounts_read_only(as_nobody)
     denied" alone did not say that ``-o ro`` would mount it."""
     go, home = as_nobody
     p = go("""
-        cd "$HOME"
-        mkfs.retainzfs -q --size 256M ck.zns
-        mkdir ck
-        mount.retainzfs ck.zns ck
+        {MADE_AND_MOUNTED}
         echo kept > ck/f
         fusermount3 -u ck
         for i in $(seq 100); do retainzfs fsck ck.zns > /dev/null 2>&1 && break; sleep 0.1; done
