@@ -195,6 +195,7 @@ def test_a_user_makes_mounts_writes_and_remounts_an_image_of_their_own(as_nobody
     # a user may not raise the bdi's readahead: said, with the value in force
     assert tun["read_ahead_kb"] and tun["read_ahead_kb"] < 4096, tun
     assert "read_ahead_kb" in tun["read_ahead_kb_problem"], tun
+    assert tun["log"] == os.path.join(home, ".local/state/retainzfs", log), tun   # status says
     if user_allow_other:
         assert "allow_other mounted" in out
     else:

@@ -115,6 +115,8 @@ def print_status(st: dict, path: str) -> None:
                             f"{_human(d['io_buffer_pool_bytes'])}), CPU {d['cpu_seconds']:.1f} s, "
                             f"{d['threads']} threads")
     tun = st.get("tuning") or {}
+    if tun.get("log"):
+        t.add_row("log", tun["log"])
     if "dirty_bytes" in tun:
         t.add_row("write buffers", f"{_human(st.get('buffered_bytes', 0))} of "
                                    f"{_human(tun['dirty_bytes'])} (dirty_bytes), written back "

@@ -511,6 +511,7 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
             log.warning("kernel readahead of the mount left at %s KiB (%s; root may): cold "
                         "sequential reads run at about half speed", ra, why)
         store.tuning["image_io"] = ("direct" if getattr(dev, "direct", True) else "buffered")
+        store.tuning["log"] = ours.get("log_path", "standard error")    # (it moves: a user's)
         store.tuning["dirty_bytes"] = store.opts.dirty_bytes
         store.tuning["dirty_expire"] = store.opts.dirty_expire
         store.tuning["memory"] = budget.as_dict()
@@ -671,6 +672,7 @@ def main(argv: list[str] | None = None) -> int:
             die(f"cannot open log file {logfile}: {e.strerror}")
     else:
         logfile, fd = _open_default_log(mnt)
+    ours["log_path"] = logfile
     # the daemon leaves the caller's directory (so it does not pin it): absolute paths
     target, mnt = os.path.abspath(target), os.path.realpath(mnt)   # (not mounted yet: safe)
     r, w = os.pipe()
