@@ -97,14 +97,18 @@ def test_many_threads_through_every_operation_at_once_then_remount(mounted):
     _check(expect)
 
 
-def test_sigterm_unmounts_cleanly_and_keeps_what_was_written(mounted):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
+                         ids=["term", "int", "hup"])
+def test_sigterm_unmounts_cleanly_and_keeps_what_was_written(mounted, sig):
+    """Also SIGINT and SIGHUP: the daemon catches them (before serving, to mount nothing;
+    libfuse's handlers once it serves), and each unmounts with what was buffered written."""
     data = _payload("sig", 3 * MiB + 5)
     (mounted / "f").write_bytes(data)               # closed, not fsynced: the unmount commits
     pid = mounted.pid
-    os.kill(pid, signal.SIGTERM)
-    assert wait_for(lambda: not _alive(pid), 20), "daemon still running after SIGTERM"
+    os.kill(pid, sig)
+    assert wait_for(lambda: not _alive(pid), 20), f"daemon still running after {sig!r}"
     assert not is_mounted(mounted.path)
-    assert "signal 15: unmounting" in mounted.daemon_log()
+    assert f"signal {int(sig)}: unmounting" in mounted.daemon_log()
     mounted.pid = None
     mounted.mount()
     assert (mounted / "f").read_bytes() == data

@@ -589,6 +589,8 @@ def _wait_or_stop(pid: int, r: int, mnt: str, logfile: str) -> str:
     caller had given up on, and the caller printed a KeyboardInterrupt traceback."""
     _stop_signals(_interrupt)
     try:
+        if _STOP:                             # (it came before this wait began)
+            raise _Interrupted(_STOP[0])
         with os.fdopen(r, errors="surrogateescape") as f:
             return f.readline().strip()
     except _Interrupted as e:
@@ -659,9 +661,9 @@ def main(argv: list[str] | None = None) -> int:
     if other and not _is_stale(other):    # fail at once (the lock retry is for exiting daemons)
         die(f"{target} is in use: already mounted at {other}")
     level = logging.DEBUG if ours.get("debug") else logging.INFO
+    _stop_signals(_asked_to_stop)           # (before the fork: the daemon starts with it)
     if args.foreground:
         _log_to(sys.stderr, level)
-        _stop_signals(_asked_to_stop)
         return serve(target, os.path.realpath(mnt), ours, fuse_extra, None)
 
     if ours.get("log"):
@@ -688,7 +690,6 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             _log_to(sys.stderr, level)
-            _stop_signals(_asked_to_stop)
             code = serve(target, mnt, ours, fuse_extra, w)
         except BaseException:
             logging.getLogger("retainzfs").exception("daemon failed")
