@@ -62,6 +62,27 @@ def daemon_pids(img, mnt=None) -> list[int]:
     return daemons_holding(str(img))
 
 
+def mount_daemons(uid: int | None = None, naming=None) -> list[int]:
+    """Pids of ``mount.retainzfs`` processes (by command line), of user ``uid`` and/or whose
+    arguments include ``naming``: a daemon still waiting for its image's lock has no
+    descriptor of it open, so ``daemon_pids`` cannot see it."""
+    out = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            if uid is not None and os.stat(f"/proc/{p}").st_uid != uid:
+                continue
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if (any(a.endswith(b"mount.retainzfs") for a in argv)
+                and (naming is None or os.fsencode(naming) in argv)):
+            out.append(int(p))
+    return out
+
+
 def image_locked(img) -> bool:
     """True while some process (a daemon) holds the image's exclusive flock."""
     fd = os.open(img, os.O_RDONLY)

@@ -17,7 +17,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import MOUNT, daemon_pids, is_mounted, wait_for
+from conftest import MOUNT, daemon_pids, is_mounted, mount_daemons, wait_for
 
 
 def _receiver(tmp_path, abstract: bool):
@@ -139,28 +139,13 @@ def leftovers():
     seen = []
     yield seen.append
     for image, mnt in seen:
-        for pid in set(daemon_pids(image)) | set(_started_for(image)):
+        for pid in set(daemon_pids(image)) | set(mount_daemons(naming=image)):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         if wait_for(lambda: is_mounted(mnt), 0.5):
             subprocess.run(["fusermount3", "-uz", mnt], capture_output=True)
-
-
-def _started_for(image) -> list[int]:
-    """Daemons whose command line names ``image`` (one still waiting for its lock has no
-    descriptor of it open)."""
-    out = []
-    for p in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if any(a.endswith(b"mount.retainzfs") for a in argv) and os.fsencode(image) in argv:
-            out.append(int(p))
-    return out
 
 
 def _holding_the_image(image, seconds: float) -> subprocess.Popen:

@@ -25,7 +25,7 @@ import tempfile
 import textwrap
 
 import pytest
-from conftest import run
+from conftest import mount_daemons, run
 
 NOBODY = 65534
 #: the user's first steps, as the README gives them (a script line of ``go``)
@@ -119,7 +119,7 @@ def as_nobody():
     try:
         yield go, home
     finally:
-        for pid in _daemons_of(NOBODY):
+        for pid in mount_daemons(uid=NOBODY):
             try:
                 os.kill(pid, 9)
             except ProcessLookupError:
@@ -131,22 +131,6 @@ def as_nobody():
             shutil.rmtree(f"/tmp/retainzfs-{uid}", ignore_errors=True)
         subprocess.run(["umount", "-R", stash], capture_output=True)
         shutil.rmtree(stash, ignore_errors=True)
-
-
-def _daemons_of(uid: int) -> list[int]:
-    out = []
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            if os.stat(f"/proc/{p}").st_uid != uid:
-                continue
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                if b"mount.retainzfs" in f.read():
-                    out.append(int(p))
-        except OSError:
-            pass
-    return out
 
 
 def test_a_user_makes_mounts_writes_and_remounts_an_image_of_their_own(as_nobody):

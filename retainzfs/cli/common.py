@@ -29,28 +29,31 @@ def die(msg: str, code: int = 1) -> "NoReturn":  # noqa: F821
     raise SystemExit(code)
 
 
-def find_mount_of(target: str) -> str | None:
-    """Mountpoint of a mounted retainzfs whose source is ``target`` (from /proc/mounts)."""
-    real = os.path.realpath(target)
+def _retainzfs_mounts() -> list[tuple[str, str, dict[str, str]]]:
+    """(source, mount point, options) of each retainzfs mount in ``/proc/mounts``, fields
+    unescaped (a space is ``\\040``), bytes that are not UTF-8 kept as surrogates."""
+    rows = []
     try:
         with open("/proc/mounts", errors="surrogateescape") as f:
             for line in f:
-                src, mnt, fstype = line.split()[:3]
-                if (fstype == "fuse.retainzfs"
-                        and os.path.realpath(unescape_mount_field(src)) == real):
-                    return unescape_mount_field(mnt)
-    except OSError:
+                src, where, fstype, opts = line.split()[:4]
+                if fstype == "fuse.retainzfs":
+                    rows.append((unescape_mount_field(src), unescape_mount_field(where),
+                                 dict(o.partition("=")[::2] for o in opts.split(","))))
+    except (OSError, ValueError):
         pass
-    return None
+    return rows
+
+
+def find_mount_of(target: str) -> str | None:
+    """Mountpoint of a mounted retainzfs whose source is ``target``."""
+    real = os.path.realpath(target)
+    return next((mnt for src, mnt, _ in _retainzfs_mounts()
+                 if os.path.realpath(src) == real), None)
 
 
 def _retainzfs_mountpoints() -> list[str]:
-    try:
-        with open("/proc/mounts", errors="surrogateescape") as f:
-            return [unescape_mount_field(line.split()[1]) for line in f
-                    if line.split()[2] == "fuse.retainzfs"]
-    except OSError:
-        return []
+    return [mnt for _, mnt, _ in _retainzfs_mounts()]
 
 
 def access_hint(mnt: str, err: BaseException) -> str:
@@ -59,19 +62,11 @@ def access_hint(mnt: str, err: BaseException) -> str:
     if getattr(err, "errno", None) not in (errno.EACCES, errno.EPERM):
         return ""
     want = {os.path.abspath(mnt), os.path.realpath(mnt)}
-    try:
-        with open("/proc/mounts", errors="surrogateescape") as f:
-            for line in f:
-                _, where, fstype, opts = line.split()[:4]
-                if fstype == "fuse.retainzfs" and unescape_mount_field(where) in want:
-                    kv = dict(o.partition("=")[::2] for o in opts.split(","))
-                    uid = kv.get("user_id")
-                    if ("allow_other" not in kv and uid is not None
-                            and uid != str(os.geteuid())):
-                        return (f" (mounted by uid {uid} without allow_other: only that user "
-                                "may use it)")
-    except (OSError, ValueError):
-        pass
+    for _, where, kv in _retainzfs_mounts():
+        uid = kv.get("user_id")
+        if (where in want and "allow_other" not in kv and uid is not None
+                and uid != str(os.geteuid())):
+            return f" (mounted by uid {uid} without allow_other: only that user may use it)"
     return ""
 
 
@@ -91,15 +86,7 @@ DAEMON_TIMEOUT = 10.0
 
 def _mount_source(mnt: str) -> str | None:
     want = os.path.abspath(mnt)
-    try:
-        with open("/proc/mounts", errors="surrogateescape") as f:
-            for line in f:
-                src, where, fstype = line.split()[:3]
-                if fstype == "fuse.retainzfs" and unescape_mount_field(where) == want:
-                    return unescape_mount_field(src)
-    except OSError:
-        pass
-    return None
+    return next((src for src, where, _ in _retainzfs_mounts() if where == want), None)
 
 
 def daemons_holding(path: str) -> list[int]:
