@@ -369,6 +369,12 @@ class OpenFiles:
                         slack = wb.slack
                         wb.drop(n)
                         self.buffered = max(0, self.buffered - n - slack + wb.slack)
+                        if not wb and not inode.inflight:
+                            # holds nothing now: no longer a file that may need a zone of
+                            # its own (``Room.room_locked`` counts these); left for the
+                            # periodic writeback, 500 small files closed within its second
+                            # left no room on a 2 GiB image and every write went through
+                            self.dirty_since.pop(ino, None)
             if s._want_journal_flush:
                 with s.io_lock:
                     s.maybe_flush_journal_iolocked()

@@ -1199,3 +1199,24 @@ def test_closed_files_the_kernel_still_knows_keep_no_open_file_state(tmp_path):
     finally:
         s.close()
         dev.close()
+
+
+def test_small_files_written_out_leave_the_room_for_buffers(tmp_path):
+    """A file whose buffer a close wrote out holds nothing: it must not go on counting as a
+    writer that may need a zone of its own (``Room.room_locked``).  It did until the periodic
+    writeback (each second) looked: a burst of small files closed within that second left
+    no room on a small device, and every write after them, a checkpoint's shards included,
+    went to the zone synchronously instead of being buffered."""
+    path, dev, s = fresh(tmp_path)            # 64 zones of 1 MiB
+    for i in range(100):
+        put(s, 1, b"small%03d" % i, b"x" * 100, durable=False)
+    assert not s.files.dirty_since
+    ino = s.create(1, b"shard", 0o644).ino
+    s.open(ino)
+    assert s.buffer_write(ino, 0, b"y" * 65536) == 65536       # buffered, not through
+    s.commit(ino, durable=True)
+    s.release(ino)
+    dev, s = reopen(path, dev, s)
+    assert read_all(s, ino) == b"y" * 65536
+    s.close()
+    dev.close()
