@@ -146,7 +146,13 @@ cdef extern from *:
         rz_log_last[0] = 0;
         pthread_mutex_unlock(&rz_log_mu);
     }
-    static void rz_init_conn(struct fuse_conn_info *conn) {
+    /* want_acl: FUSE_POSIX_ACL, the kernel then enforces ACLs (and implies
+     * default_permissions); with DONT_MASK, so that a default ACL can replace the umask
+     * (the umask comes in the request's context).  Returns whether ACLs are on. */
+    static int rz_init_conn(struct fuse_conn_info *conn, int want_acl) {
+        if (want_acl && (conn->capable & FUSE_CAP_POSIX_ACL)
+                && (conn->capable & FUSE_CAP_DONT_MASK))
+            conn->want |= FUSE_CAP_POSIX_ACL | FUSE_CAP_DONT_MASK;
         conn->want &= ~FUSE_CAP_READDIRPLUS_AUTO;
         if (conn->capable & FUSE_CAP_EXPORT_SUPPORT)
             conn->want |= FUSE_CAP_EXPORT_SUPPORT;
@@ -155,6 +161,7 @@ cdef extern from *:
          * is one and a half 1 MiB readahead requests per file for 8 readers) */
         conn->max_background = RZ_MAX_BACKGROUND;
         conn->congestion_threshold = RZ_MAX_BACKGROUND * 3 / 4;
+        return (conn->want & FUSE_CAP_POSIX_ACL) != 0;
     }
     """
     void rz_attach() nogil
@@ -205,7 +212,7 @@ cdef extern from *:
         unsigned long f_namemax
 
     void rz_fi_set(fuse_file_info *fi, uint64_t fh, int direct_io, int keep_cache) nogil
-    void rz_init_conn(fuse_conn_info *conn) nogil
+    int rz_init_conn(fuse_conn_info *conn, int want_acl) nogil
 
     struct fuse_lowlevel_ops:
         void (*init)(void *userdata, fuse_conn_info *conn) noexcept nogil
@@ -416,9 +423,9 @@ cdef void _answer_entry(fuse_req_t req, const char *op, object fn, tuple args):
 # ---------------------------------------------------------------------------- handlers (GIL held)
 
 cdef void h_init(void *userdata, fuse_conn_info *conn) noexcept with gil:
-    rz_init_conn(conn)
+    cdef int acl = rz_init_conn(conn, bool(getattr(_ops, "want_acl", False)))
     try:
-        _ops.init()
+        _ops.init(bool(acl)) if hasattr(_ops, "want_acl") else _ops.init()
     except BaseException as exc:
         log.exception("init")
 

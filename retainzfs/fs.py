@@ -71,19 +71,26 @@ class Operations:
     timeout = ENTRY_TIMEOUT
     negative_timeout = NEGATIVE_TIMEOUT
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, acl: bool = True):
         self.store = store
+        self.want_acl = acl                   # ask the kernel for FUSE_POSIX_ACL (``init``)
         self.handles: dict[int, int] = {}     # fh -> ino (dict operations are atomic)
         self.synced: set[int] = set()         # handles fsynced once: their close is durable
         self.direct: set[int] = set()         # handles opened with FOPEN_DIRECT_IO
         self._fhs = itertools.count(1)
         self.initialized = threading.Event()
 
-    def init(self) -> None:
+    def init(self, acl: bool = False) -> None:
         """FUSE INIT: runs before libfuse replies, so settings the kernel derives from the reply
         (the bdi's readahead) are made later (``serve``'s ``ready``).  The store's worker
         threads start here, after libfuse's first thread and the periodic sync's, so a tight
-        pids limit leaves those two and takes from the pools (``workers.Workers``)."""
+        pids limit leaves those two and takes from the pools (``workers.Workers``).  ``acl``:
+        the kernel took FUSE_POSIX_ACL (and DONT_MASK: the umask comes to ``create``,
+        ``mkdir`` and ``mknod``, which apply it unless a default ACL replaces it)."""
+        self.store.acls = acl
+        if self.want_acl and not acl:
+            log.warning("the kernel offers no POSIX ACLs: access by mode bits only, "
+                        "setfacl is refused")
         self.store.start_workers()
         self.initialized.set()
 
@@ -127,12 +134,12 @@ class Operations:
         return self.store.readlink(ino)
 
     def mknod(self, parent: int, name: bytes, mode: int, rdev: int, ctx) -> Attrs:
-        uid, gid, _umask = ctx
-        return self._ref(self.store.mknod(parent, name, mode, rdev, uid, gid).ino)
+        uid, gid, umask = ctx
+        return self._ref(self.store.mknod(parent, name, mode, rdev, uid, gid, umask=umask).ino)
 
     def mkdir(self, parent: int, name: bytes, mode: int, ctx) -> Attrs:
         uid, gid, umask = ctx
-        return self._ref(self.store.mkdir(parent, name, mode & ~umask, uid, gid).ino)
+        return self._ref(self.store.mkdir(parent, name, mode, uid, gid, umask=umask).ino)
 
     def symlink(self, parent: int, name: bytes, target: bytes, ctx) -> Attrs:
         uid, gid, _umask = ctx
@@ -189,7 +196,7 @@ class Operations:
     def create(self, parent: int, name: bytes, mode: int, flags: int, ctx):
         """(fh, direct_io, keep_cache, Attrs)."""
         uid, gid, umask = ctx
-        ino = self.store.create(parent, name, mode & ~umask, uid, gid).ino
+        ino = self.store.create(parent, name, mode, uid, gid, umask=umask).ino
         self.store.open(ino)
         entry = self.store.stat(ino, ref=True)
         fh, direct = self._new_fh(ino), _direct_write(flags, entry)

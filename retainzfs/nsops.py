@@ -17,6 +17,7 @@ import math
 import stat
 from time import time_ns as now_ns
 
+from . import acl
 from . import hints as H
 from . import records as R
 from .errors import FsError
@@ -183,15 +184,19 @@ class NamespaceOps:
                                         "--meta-zones")
 
     def new_inode_locked(self, parent: Inode, name: bytes, mode: int, uid: int, gid: int,
-                         target: bytes = b"", rdev: int = 0) -> Inode:
+                         target: bytes = b"", rdev: int = 0, umask: int = 0) -> Inode:
+        """A new node; its mode less the ``umask``, or, in a directory with a default ACL
+        (ACLs on), the ACL's instead (``acl.inherit``)."""
         s = self.s
         self.check_name(name)
         if name in parent.entries:
             raise FsError(errno.EEXIST)
         t = now_ns()
+        default = parent.xattrs.get(acl.DEFAULT) if s.acls else None
+        mode, acls = acl.inherit(default, mode, umask)
         ino = Inode(s.next_ino, mode, uid, gid, nlink=2 if stat.S_ISDIR(mode) else 1,
                     atime=t, mtime=t, ctime=t, target=target, rdev=rdev, parent=parent.ino,
-                    name=name, size=len(target))
+                    name=name, size=len(target), xattrs=acls or None)
         # directory hint xattrs are inherited by new children (runtime tags the gen dir)
         self.save_inode_locked(ino)
         s.do_locked(R.DIRENT_B, R.pack_dirent(parent.ino, ino.ino, t, name))
@@ -200,24 +205,28 @@ class NamespaceOps:
             self.save_inode_locked(parent)
         return s.inodes[ino.ino]
 
-    def create(self, parent: int, name: bytes, mode: int, uid: int = 0, gid: int = 0) -> Inode:
+    def create(self, parent: int, name: bytes, mode: int, uid: int = 0, gid: int = 0,
+               umask: int = 0) -> Inode:
         self.room()
         with self.s.lock:
             p = self.dir_locked(parent)
-            return self.new_inode_locked(p, name, stat.S_IFREG | (mode & 0o7777), uid, gid)
+            return self.new_inode_locked(p, name, stat.S_IFREG | (mode & 0o7777), uid, gid,
+                                         umask=umask)
 
     def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int = 0,
-              gid: int = 0) -> Inode:
+              gid: int = 0, umask: int = 0) -> Inode:
         self.room()
         with self.s.lock:
             p = self.dir_locked(parent)
-            return self.new_inode_locked(p, name, mode, uid, gid, rdev=rdev)
+            return self.new_inode_locked(p, name, mode, uid, gid, rdev=rdev, umask=umask)
 
-    def mkdir(self, parent: int, name: bytes, mode: int, uid: int = 0, gid: int = 0) -> Inode:
+    def mkdir(self, parent: int, name: bytes, mode: int, uid: int = 0, gid: int = 0,
+              umask: int = 0) -> Inode:
         self.room()
         with self.s.lock:
             p = self.dir_locked(parent)
-            return self.new_inode_locked(p, name, stat.S_IFDIR | (mode & 0o7777), uid, gid)
+            return self.new_inode_locked(p, name, stat.S_IFDIR | (mode & 0o7777), uid, gid,
+                                         umask=umask)
 
     def symlink(self, parent: int, name: bytes, target: bytes, uid: int = 0,
                 gid: int = 0) -> Inode:
@@ -388,6 +397,8 @@ class NamespaceOps:
             t = now_ns()
             if mode is not None:
                 inode.mode = (inode.mode & ~0o7777) | (mode & 0o7777)
+                if acl.ACCESS in inode.xattrs:        # the ACL follows (``acl.chmod``)
+                    inode.set_xattr(acl.ACCESS, acl.chmod(inode.xattrs[acl.ACCESS], mode))
             if uid is not None:
                 inode.uid = uid
             if gid is not None:

@@ -212,6 +212,9 @@ class Store:
         #: (``data_durable_locked``: a rename over another file waits for that).
         self.unsynced: dict[int, int] = {}
         self.replayed_records = 0
+        #: POSIX ACLs: the kernel negotiated FUSE_POSIX_ACL and enforces them (``acl.py``);
+        #: without it they are refused, never stored unenforced
+        self.acls = False
         self.journal_truncated = info.torn
         self.meta_problems = list(info.problems)
         self.meta_corrupt = info.corrupt

@@ -11,6 +11,7 @@ import json
 import logging
 from time import time_ns as now_ns
 
+from . import acl
 from . import hints as H
 from .errors import FsError
 from .namespace import ROOT_INO
@@ -24,11 +25,12 @@ log = logging.getLogger("retainzfs")
 XATTR_TOTAL_MAX = 1 << 20
 #: and their number: the journal's inode entry counts them in a u16
 XATTR_COUNT_MAX = 0xFFFF
-#: POSIX ACLs.  The mount does not negotiate FUSE_POSIX_ACL, so the kernel checks access by
-#: the mode bits alone and hands these to us as plain xattrs: stored, ``setfacl`` succeeded
-#: and ``getfacl`` showed an ACL that nothing applied (a mask taking write from the group
-#: left the group writing).  Refused as a file system mounted without ACLs refuses them.
-ACL_XATTRS = frozenset({b"system.posix_acl_access", b"system.posix_acl_default"})
+#: POSIX ACLs (``acl.py``): kept only while the kernel enforces them (FUSE_POSIX_ACL,
+#: ``Store.acls``).  Without it the kernel checks access by the mode bits alone and hands
+#: these over as plain xattrs: stored, ``setfacl`` succeeded and ``getfacl`` showed an ACL
+#: that nothing applied (a mask taking write from the group left the group writing); so then
+#: they are refused, as a file system mounted without ACLs refuses them, and not shown.
+ACL_XATTRS = acl.NAMES
 #: the namespaces a name may be set in, as on ext4 and XFS: the kernel hands FUSE any name,
 #: so ``foo`` or ``system.x`` were stored (EOPNOTSUPP there) and ``user.`` too (EINVAL there)
 NAMESPACES = frozenset({b"user", b"trusted", b"security"})
@@ -44,7 +46,8 @@ class XattrOps:
         (XATTR_REPLACE): ENODATA if not, decided under the lock with the change (two racing
         XATTR_CREATEs: one wins)."""
         if name in ACL_XATTRS:
-            raise FsError(errno.EOPNOTSUPP, "POSIX ACLs are not supported (mode bits only)")
+            self._set_acl(ino, name, value, create, replace)
+            return
         space, dot, rest = name.partition(b".")
         if space not in NAMESPACES or not dot:
             raise FsError(errno.EOPNOTSUPP, "xattrs are user., trusted. or security. names")
@@ -65,16 +68,51 @@ class XattrOps:
                 except H.HintError as e:
                     log.warning("setxattr %s on inode %d refused: %s", name.decode(), ino, e)
                     raise FsError(errno.EINVAL, str(e)) from None
-            if len(name) > 255 or len(value) > 65536:
-                raise FsError(errno.ERANGE)
-            total = sum(len(k) + len(v) for k, v in inode.xattrs.items() if k != name)
-            if (total + len(name) + len(value) > XATTR_TOTAL_MAX
-                    or (name not in inode.xattrs and len(inode.xattrs) >= XATTR_COUNT_MAX)):
-                raise FsError(errno.ENOSPC, f"xattrs of one file are limited to "
-                                            f"{XATTR_TOTAL_MAX} bytes, {XATTR_COUNT_MAX} names")
+            self._check_fits_locked(inode, name, value)
             inode.set_xattr(name, bytes(value))
             inode.ctime = now_ns()
             self.s.ns.save_inode_locked(inode)
+
+    @staticmethod
+    def _check_fits_locked(inode, name: bytes, value: bytes) -> None:
+        """ERANGE past the kernel's bounds for one xattr; ENOSPC past one inode's."""
+        if len(name) > 255 or len(value) > 65536:
+            raise FsError(errno.ERANGE)
+        total = sum(len(k) + len(v) for k, v in inode.xattrs.items() if k != name)
+        if (total + len(name) + len(value) > XATTR_TOTAL_MAX
+                or (name not in inode.xattrs and len(inode.xattrs) >= XATTR_COUNT_MAX)):
+            raise FsError(errno.ENOSPC, f"xattrs of one file are limited to "
+                                        f"{XATTR_TOTAL_MAX} bytes, {XATTR_COUNT_MAX} names")
+
+    def _set_acl(self, ino: int, name: bytes, value: bytes, create: bool,
+                 replace: bool) -> None:
+        """An access ACL sets the mode's permission bits with it, in the same journal record
+        (none is kept when the mode says it all); a default ACL is for directories."""
+        s = self.s
+        if not s.acls:
+            raise FsError(errno.EOPNOTSUPP, "POSIX ACLs are off (mount -o noacl, or a "
+                                            "kernel without FUSE_POSIX_ACL)")
+        self.s.ns.room()
+        with s.lock:
+            inode = s.ns.get_locked(ino)
+            if create and name in inode.xattrs:
+                raise FsError(errno.EEXIST)
+            if replace and name not in inode.xattrs:
+                raise FsError(errno.ENODATA)
+            mode = inode.mode
+            if name == acl.ACCESS:
+                mode, keep = acl.set_access(mode, value)
+            else:
+                keep = acl.set_default(mode, value)
+            if keep is None:
+                if name in inode.xattrs:
+                    inode.del_xattr(name)
+            else:
+                self._check_fits_locked(inode, name, keep)
+                inode.set_xattr(name, keep)
+            inode.mode = mode
+            inode.ctime = now_ns()
+            s.ns.save_inode_locked(inode)
 
     def getxattr(self, ino: int, name: bytes) -> bytes:
         s = self.s
@@ -98,6 +136,8 @@ class XattrOps:
                     raise FsError(errno.ENODATA) from None
                 return json.dumps(s.report.zone_map(first, H.ZONEMAP_ROWS),
                                   separators=(",", ":")).encode()
+            if name in ACL_XATTRS and not s.acls:
+                raise FsError(errno.ENODATA)          # kept from an ACL mount: not applied
             try:
                 return inode.xattrs[name]
             except KeyError:
@@ -105,7 +145,10 @@ class XattrOps:
 
     def listxattr(self, ino: int) -> list[bytes]:
         with self.s.lock:
-            return list(self.s.ns.get_locked(ino).xattrs)
+            names = list(self.s.ns.get_locked(ino).xattrs)
+            if not self.s.acls:
+                names = [n for n in names if n not in ACL_XATTRS]
+            return names
 
     def removexattr(self, ino: int, name: bytes) -> None:
         with self.s.lock:

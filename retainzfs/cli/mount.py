@@ -91,6 +91,10 @@ def parse_options(opts: list[str]) -> tuple[dict, list[str]]:
                 ours["log"] = val
             elif key == "debug":
                 ours["debug"] = _flag(key, val)
+            elif key in ("acl", "noacl"):             # as ext4's: POSIX ACLs on (default) / off
+                if eq:
+                    raise ValueError(f"mount option {key} takes no value")
+                ours["acl"] = key == "acl"
             elif key == "metrics":
                 from ..metrics import parse_listen
                 try:
@@ -138,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", dest="options", action="append", default=[],
                    help="allocator=NAME,lambda=X,hint_grid=G,gc_reserve=N,common_admission,"
                         "log=PATH,debug,allow_other,sync_interval=S,dirty_bytes=SIZE,"
-                        "dirty_expire=S,image_io=auto|direct|buffered")
+                        "dirty_expire=S,image_io=auto|direct|buffered,noacl")
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     # flags mount(8) passes to helpers
     p.add_argument("-n", action="store_true", help=argparse.SUPPRESS)
@@ -484,7 +488,7 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
             if notify_fd is None:
                 die(msg)
             return 1
-    ops = fs.Operations(store)
+    ops = fs.Operations(store, acl=ours.get("acl", True))
     if _STOP:                       # asked to stop while opening (a caller's Ctrl-C): no mount
         store.close()
         dev.close()
