@@ -324,7 +324,7 @@ def test_a_metadata_write_pointer_moved_past_its_frames_is_reported_and_repaired
     ("flush_bytes=0", "flush_bytes"), ("common_admission=maybe", "common_admission"),
     ("dirty_bytes=4k", "1M..1T"), ("dirty_bytes=lots", "dirty_bytes"),
     ("dirty_expire=-1", "dirty_expire"), ("dirty_expire", "dirty_expire"),
-    ("bogus=1", "bogus"),
+    ("bogus=1", "bogus"), ("noacl=1", "noacl"),
 ])
 def test_bad_mount_options_one_line_before_fork(image, tmp_path, opt, needle):
     mnt = tmp_path / "m"
