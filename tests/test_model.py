@@ -9,6 +9,8 @@ state must equal the model.
 from __future__ import annotations
 
 import errno
+import functools
+import operator
 import os
 import random
 
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant,
                                  precondition, rule, run_state_machine_as_test)
 
+from retainzfs import acl as A
 from retainzfs.device import create_image, open_device
 from retainzfs.store import FsError, ROOT_INO, Store
 
@@ -30,17 +33,30 @@ SIZES = st.one_of(st.sampled_from([0, 1, 100, 4095, 4096, 4097, 65535, 65536, 65
 OFFS = st.one_of(st.sampled_from([0, 1, 4095, 4096, 65536, 1 << 20]), st.integers(0, 2 << 20))
 
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
 def _data(seed: int, n: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
 class _Base(RuleBasedStateMachine):
-    """The model: files in one directory: name -> bytearray, and name -> {xattr: value}."""
+    """The model: files in one directory: name -> bytearray, name -> {xattr: value}, and
+    name -> (permission bits, access ACL) where the ACL is None or (owning group's perm,
+    {uid: perm}, mask): what ``chmod`` and ``setfacl`` leave, by POSIX.1e's rules stated
+    here independently of ``retainzfs/acl.py``."""
+
+    #: the ACL rules run (off on the machines that fill a device: they would dilute the
+    #: writes that must fill it)
+    ACLS = True
+    CREATED = 0o644                 # a new file's mode (the backend's open(O_CREAT, 0o644))
 
     def __init__(self):
         super().__init__()
         self.files: dict[str, bytearray] = {}
         self.xattrs: dict[str, dict[str, bytes]] = {}
+        self.perms: dict[str, tuple] = {}
         self.seed = 0
 
     # Each backend subclass (StoreMachine, MountMachine) provides the operations the rules
@@ -54,6 +70,7 @@ class _Base(RuleBasedStateMachine):
         self.seed += 1
         cur = self.files.setdefault(name, bytearray())
         self.xattrs.setdefault(name, {})
+        self.perms.setdefault(name, (self.CREATED, None))
         if many > 1:
             n = max(1, n % 300)
         pieces = []
@@ -97,6 +114,7 @@ class _Base(RuleBasedStateMachine):
         if old != new:
             self.files[new] = self.files.pop(old)
             self.xattrs[new] = self.xattrs.pop(old)
+            self.perms[new] = self.perms.pop(old)
 
     @precondition(lambda self: self.files)
     @rule(data=st.data())
@@ -105,6 +123,7 @@ class _Base(RuleBasedStateMachine):
         self.b_unlink(name)
         del self.files[name]
         del self.xattrs[name]
+        del self.perms[name]
 
     @precondition(lambda self: self.files)
     @rule(data=st.data(), key=st.sampled_from(["user.a", "user.b"]),
@@ -115,6 +134,51 @@ class _Base(RuleBasedStateMachine):
         v = _data(self.seed, n)
         self.b_setxattr(name, key, v)
         self.xattrs[name][key] = v
+
+    @precondition(lambda self: self.files and self.ACLS)
+    @rule(data=st.data(), u=st.integers(0, 7), g=st.integers(0, 7), o=st.integers(0, 7),
+          named=st.dictionaries(st.sampled_from([0, 1000, 65534]), st.integers(0, 7),
+                                max_size=3),
+          mask=st.one_of(st.none(), st.integers(0, 7)))
+    def setfacl(self, data, u, g, o, named, mask):
+        """``setfacl --set``: a mask is needed with named entries (setfacl computes one)."""
+        name = data.draw(st.sampled_from(sorted(self.files)))
+        if named and mask is None:
+            mask = g | functools.reduce(operator.or_, named.values(), 0)
+        entries = [(A.USER_OBJ, u, A.UNDEFINED_ID)]
+        entries += [(A.USER, p, uid) for uid, p in sorted(named.items())]
+        entries.append((A.GROUP_OBJ, g, A.UNDEFINED_ID))
+        if mask is not None:
+            entries.append((A.MASK, mask, A.UNDEFINED_ID))
+        entries.append((A.OTHER, o, A.UNDEFINED_ID))
+        self.b_setacl(name, A.encode(entries))
+        # the mode takes owner, mask (the owning group without one) and other; an ACL the
+        # mode says all of (no mask, no named entry) is not kept
+        self.perms[name] = (u << 6 | (g if mask is None else mask) << 3 | o,
+                            None if mask is None else (g, dict(named), mask))
+
+    @precondition(lambda self: self.files and self.ACLS)
+    @rule(data=st.data(), mode=st.integers(0, 0o777))
+    def chmod(self, data, mode):
+        """chmod: with an ACL its mask takes the group bits; the owning group and the named
+        entries stay."""
+        name = data.draw(st.sampled_from(sorted(self.files)))
+        self.b_chmod(name, mode)
+        _, kept = self.perms[name]
+        if kept is not None:
+            kept = (kept[0], kept[1], (mode >> 3) & 7)
+        self.perms[name] = (mode, kept)
+
+    def _acl_of(self, name):
+        """The model's access ACL as the entries the file system returns."""
+        bits, kept = self.perms[name]
+        if kept is None:
+            return None
+        g, named, mask = kept
+        return ([(A.USER_OBJ, bits >> 6 & 7, A.UNDEFINED_ID)]
+                + [(A.USER, p, uid) for uid, p in sorted(named.items())]
+                + [(A.GROUP_OBJ, g, A.UNDEFINED_ID), (A.MASK, mask, A.UNDEFINED_ID),
+                   (A.OTHER, bits & 7, A.UNDEFINED_ID)])
 
     @rule()
     def remount(self):
@@ -129,6 +193,10 @@ class _Base(RuleBasedStateMachine):
             assert len(got) == len(want), name
             assert got == bytes(want), name
             assert self.b_xattrs(name) == self.xattrs[name], name
+            if self.ACLS:
+                mode, value = self.b_perms(name)
+                assert mode & 0o777 == self.perms[name][0], (name, oct(mode))
+                assert (value and A.parse(value)) == self._acl_of(name), name
 
 
 # ------------------------------------------------------------------ through the Store
@@ -142,6 +210,7 @@ class StoreMachine(_Base):
                                 force=True)
         Store.format(self.dev)
         self.store = Store(self.dev)
+        self.store.acls = True                    # as a mount whose kernel enforces them
 
     def teardown(self):
         if getattr(self, "store", None) is not None:
@@ -189,13 +258,30 @@ class StoreMachine(_Base):
 
     def b_xattrs(self, name):
         ino = self._ino(name)
-        return {k.decode(): self.store.getxattr(ino, k) for k in self.store.listxattr(ino)}
+        return {k.decode(): self.store.getxattr(ino, k) for k in self.store.listxattr(ino)
+                if not k.startswith(b"system.")}
+
+    def b_setacl(self, name, value):
+        self.store.setxattr(self._ino(name), A.ACCESS, value)
+
+    def b_chmod(self, name, mode):
+        self.store.setattr(self._ino(name), mode=mode)
+
+    def b_perms(self, name):
+        ino = self._ino(name)
+        try:
+            value = self.store.getxattr(ino, A.ACCESS)
+        except FsError as e:
+            assert e.errno == errno.ENODATA
+            value = None
+        return self.store.getattr(ino).mode, value
 
     def b_remount(self):
         self.store.close()
         self.dev.close()
         self.dev = open_device(self.path)
         self.store = Store(self.dev)
+        self.store.acls = True
         assert self.store.check() == []
 
     @rule()
@@ -208,6 +294,7 @@ class StoreMachine(_Base):
         self.dev.close()
         self.dev = open_device(self.path)
         self.store = Store(self.dev)
+        self.store.acls = True
         assert self.store.check() == []
 
 
@@ -243,6 +330,7 @@ class _Fills:
     steps (``write_held``).  The backend gives ``h_open(name)``, ``h_write(h, off, data)``
     and ``h_close(h)`` for those."""
     full = 0
+    ACLS = False
 
     @rule(name=st.sampled_from(["log-1", "log-2"]), n=SIZES, many=st.integers(1, 8))
     def write_held(self, name, n, many):
@@ -254,6 +342,7 @@ class _Fills:
         self.seed += 1
         cur = self.files.setdefault(name, bytearray())
         self.xattrs.setdefault(name, {})
+        self.perms.setdefault(name, (self.CREATED, None))
         h = self.held.get(name)
         if h is None:
             h = self.held[name] = self.h_open(name)
@@ -378,6 +467,7 @@ def test_full_store_model_a_held_log_while_another_file_fills(tmp_path, log_head
 class MountMachine(_Base):
     mount = None
     counter = 0
+    CREATED = 0o644 & ~_UMASK            # the kernel hands the umask over; the daemon applies it
 
     @initialize()
     def start(self):
@@ -418,7 +508,22 @@ class MountMachine(_Base):
         return set(os.listdir(self.dir))
 
     def b_xattrs(self, name):
-        return {k: xattr.getxattr(self.p(name), k) for k in xattr.listxattr(self.p(name))}
+        return {k: xattr.getxattr(self.p(name), k) for k in xattr.listxattr(self.p(name))
+                if not k.startswith("system.")}
+
+    def b_setacl(self, name, value):
+        os.setxattr(self.p(name), A.ACCESS, value)
+
+    def b_chmod(self, name, mode):
+        os.chmod(self.p(name), mode)
+
+    def b_perms(self, name):
+        try:
+            value = os.getxattr(self.p(name), A.ACCESS)
+        except OSError as e:
+            assert e.errno == errno.ENODATA
+            value = None
+        return os.stat(self.p(name)).st_mode, value
 
     def b_remount(self):
         self.mount.remount()
