@@ -88,6 +88,8 @@ class Operations:
         the kernel took FUSE_POSIX_ACL (and DONT_MASK: the umask comes to ``create``,
         ``mkdir`` and ``mknod``, which apply it unless a default ACL replaces it)."""
         self.store.acls = acl
+        self.store.tuning["posix_acl"] = ("on" if acl else "off (-o noacl)"
+                                          if not self.want_acl else "off (the kernel has none)")
         if self.want_acl and not acl:
             log.warning("the kernel offers no POSIX ACLs: access by mode bits only, "
                         "setfacl is refused")

@@ -187,6 +187,7 @@ def test_the_kernel_enforces_the_acl_and_noacl_turns_them_off(image):
     m = Mount(image, os.path.join(top, "mnt"), "allow_other")
     try:
         m.mount()
+        assert m.status()["tuning"]["posix_acl"] == "on"
         p = m.path / "s"
         p.write_bytes(b"root's\n")
         os.chmod(p, 0o600)
@@ -205,6 +206,7 @@ def test_the_kernel_enforces_the_acl_and_noacl_turns_them_off(image):
         m.umount()
         m.options = "allow_other,noacl"
         m.mount()
+        assert m.status()["tuning"]["posix_acl"] == "off (-o noacl)"
         assert "user:nobody" not in run("getfacl", "-c", q).stdout
         assert _as_nobody(f"cat {q}").returncode != 0           # mode 0640: nobody is other
         r = subprocess.run(["setfacl", "-m", "u:nobody:rw", q], capture_output=True, text=True)

@@ -128,6 +128,9 @@ def print_status(st: dict, path: str) -> None:
                                   f"{mem['readahead_files']} files, {mem['fuse_threads']} FUSE "
                                   f"threads, pool {_human(mem['pool_bytes'])}",
                   style="yellow" if mem["limit"] < TIGHT else None)
+    if str(tun.get("posix_acl", "")).startswith("off (the kernel"):
+        t.add_row("POSIX ACLs", "off: this kernel's FUSE does not enforce them, access by mode "
+                                "bits only (setfacl refused)", style="yellow")
     if tun.get("read_ahead_kb_problem"):
         t.add_row("readahead", f"kernel readahead {tun.get('read_ahead_kb')} KiB "
                                f"({tun['read_ahead_kb_problem']}): cold sequential reads at about "
