@@ -377,7 +377,7 @@ def test_a_mount_point_deeper_than_a_file_name_gets_its_own_log(tmp_path, image)
     """The default log is named after the mount point's path; a path past 255 bytes (deep
     pod volume paths near it) made that name too long for any directory: "cannot open log
     file ...: File name too long" and no mount without ``-o log=``."""
-    from retainzfs.cli.mount import _log_dirs
+    from retainzfs.cli.daemonlog import log_dirs
     deep = tmp_path.joinpath(*["d" * 60] * 5)
     deep.mkdir(parents=True)
     run(MOUNT, image, deep)
@@ -386,9 +386,9 @@ def test_a_mount_point_deeper_than_a_file_name_gets_its_own_log(tmp_path, image)
         (deep / "f").write_text("x")
     finally:
         run("umount", deep)
-    from retainzfs.cli.mount import _log_name
-    logdir = _log_dirs()[0][0]
-    log = os.path.join(logdir, _log_name(str(deep)))
+    from retainzfs.cli.daemonlog import log_name
+    logdir = log_dirs()[0][0]
+    log = os.path.join(logdir, log_name(str(deep)))
     assert wait_for(lambda: "unmounted" in open(log).read(), 15)
     os.unlink(log)
 
@@ -398,14 +398,14 @@ def test_a_mount_point_deeper_than_a_file_name_gets_its_own_log(tmp_path, image)
                  min_size=1, max_size=8))
 @settings(max_examples=300, deadline=None)
 def test_log_names_fit_a_directory_and_keep_deep_paths_apart(parts):
-    from retainzfs.cli.mount import _log_name
+    from retainzfs.cli.daemonlog import log_name
     path = "/" + "/".join(parts)
-    name = _log_name(path)
+    name = log_name(path)
     raw = os.fsencode(name)
     assert len(raw) <= 255 and b"/" not in raw and name.endswith(".log")
     if len(os.fsencode(path)) < 190:
         assert name == path.strip("/").replace("/", "-") + ".log"   # as it always was
-    assert _log_name(path + "x") != name
+    assert log_name(path + "x") != name
 
 
 def test_a_name_with_a_newline_cannot_split_or_forge_a_log_line(mounted):

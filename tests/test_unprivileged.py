@@ -211,30 +211,30 @@ def test_a_log_in_shared_tmp_must_be_a_private_directory_of_ours(tmp_path, monke
     """The last place a user's daemon logs to is /tmp/retainzfs-UID: a name there someone
     else made (a symlink to a file of the user's, a directory others may write) is refused,
     as is a symlink at the log's own name (O_NOFOLLOW)."""
-    from retainzfs.cli import mount as M
+    from retainzfs.cli import daemonlog as L
     fresh = tmp_path / "fresh"
-    assert M._private_tmp_dir(str(fresh))
+    assert L.private_tmp_dir(str(fresh))
     assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o700
     target = tmp_path / "victim"
     target.mkdir()
     (tmp_path / "link").symlink_to(target)
-    assert not M._private_tmp_dir(str(tmp_path / "link"))
+    assert not L.private_tmp_dir(str(tmp_path / "link"))
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
-    assert not M._private_tmp_dir(str(shared))
+    assert not L.private_tmp_dir(str(shared))
     other = tmp_path / "other"
     other.mkdir(mode=0o700)
     os.chown(other, NOBODY, NOBODY)
-    assert not M._private_tmp_dir(str(other))
+    assert not L.private_tmp_dir(str(other))
 
-    monkeypatch.setattr(M, "_log_dirs", lambda: [(str(tmp_path / "state"), False),
-                                                 (str(fresh), True)])
+    monkeypatch.setattr(L, "log_dirs", lambda: [(str(tmp_path / "state"), False),
+                                                (str(fresh), True)])
     (tmp_path / "state").mkdir()
     victim = target / "file"
     victim.write_text("keep\n")
     (tmp_path / "state" / "mnt.log").symlink_to(victim)
-    path, fd = M._open_default_log("/mnt")          # the symlinked name: skipped
+    path, fd = L.open_default_log("/mnt")          # the symlinked name: skipped
     os.close(fd)
     assert path == str(fresh / "mnt.log") and victim.read_text() == "keep\n"
 

@@ -6,17 +6,15 @@ daemon's one-line error and exits non-zero), like mount(8) helpers do.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import logging
 import os
 import signal
-import socket
-import stat
 import subprocess
 import sys
 import time
 
+from . import daemonlog, supervise
 from .common import die, find_mount_of, is_retainzfs_mount
 
 #: mount(8)/fstab options that mean nothing to us and are dropped silently
@@ -211,7 +209,7 @@ def _open_store(target: str, ours: dict):
                 ours.get("image_io", "auto")), readonly=ours.get("readonly", False))
             break
         except DeviceError as e:
-            if "in use" in str(e) and time.monotonic() < deadline and not _STOP:
+            if "in use" in str(e) and time.monotonic() < deadline and not supervise.STOP:
                 time.sleep(0.2)
                 continue
             raise
@@ -293,70 +291,6 @@ def _user_may_not(fuse_extra: list[str], conf: str = "/etc/fuse.conf") -> str | 
         pass
     return (f"-o {wanted[0]}: a mount by a user (not root) may use it only when {conf} has a "
             f"line 'user_allow_other' (fusermount3 refuses it otherwise)")
-
-
-_LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-
-
-def _log_dirs() -> list[tuple[str, bool]]:
-    """Where a daemon's log goes unless ``-o log=``, each with whether it is the shared-/tmp
-    fallback: /var/log/retainzfs for root; the user's state directory (``$XDG_STATE_HOME``,
-    ``~/.local/state``: a user mounting an image of their own cannot write /var/log, nor can
-    "root" in a user namespace -- rootless podman, Apptainer); last, a directory of the
-    user's own in /tmp."""
-    dirs = []
-    if os.geteuid() == 0:
-        dirs.append(("/var/log/retainzfs", False))
-    state = os.environ.get("XDG_STATE_HOME") or ""
-    if not os.path.isabs(state):            # (the spec: a relative value is to be ignored)
-        home = os.path.expanduser("~")
-        state = os.path.join(home, ".local", "state") if os.path.isabs(home) else ""
-    if state:
-        dirs.append((os.path.join(state, "retainzfs"), False))
-    dirs.append((f"/tmp/retainzfs-{os.geteuid()}", True))
-    return dirs
-
-
-def _private_tmp_dir(path: str) -> bool:
-    """``path`` is a directory of ours, not a symlink, that no one else may write: /tmp is
-    shared, and a name there made by another user could point a daemon's log elsewhere."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
-    st = os.lstat(path)
-    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
-            and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
-
-
-def _log_name(real_mnt: str) -> str:
-    """The log's name for a mount point: its path with ``-`` for ``/``; a path too long for
-    one name (NAME_MAX is 255 bytes; a pod's volume path under /var/lib/kubelet can near it)
-    keeps its end and a hash of the whole, so two deep mount points never share a log."""
-    name = real_mnt.strip("/").replace("/", "-") or "root"
-    raw = os.fsencode(name)
-    if len(raw) <= 200:
-        return f"{name}.log"
-    import hashlib
-    tail = os.fsdecode(raw[-160:]).lstrip("-")
-    return f"{hashlib.sha256(raw).hexdigest()[:16]}-{tail}.log"
-
-
-def _open_default_log(mnt: str) -> tuple[str, int]:
-    """(path, fd) of the mount's log in the first of ``_log_dirs`` that takes it."""
-    name = _log_name(os.path.realpath(mnt))
-    errors = []
-    for base, shared_tmp in _log_dirs():
-        path = os.path.join(base, name)
-        try:
-            if shared_tmp:
-                if not _private_tmp_dir(base):
-                    raise OSError(errno.EPERM, "not a private directory of this user")
-            else:
-                os.makedirs(base, exist_ok=True)
-            return path, os.open(path, _LOG_FLAGS | os.O_NOFOLLOW, 0o644)
-        except OSError as e:
-            errors.append(f"{path}: {e.strerror or e}")
-    die("cannot open a log file (" + "; ".join(errors) + "); name one with -o log=PATH")
-    raise AssertionError("unreachable")
 
 
 def _tune_malloc():
@@ -446,16 +380,17 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
             try:
                 os.write(notify_fd, os.fsencode(msg) + b"\n")     # (paths: any bytes)
             except OSError as e:            # (EPIPE: the caller was killed; we go on)
-                if not _STOP:               # (else it stopped listening: it interrupted us)
+                if not supervise.STOP:      # (else it stopped listening: it interrupted us)
                     log.warning("the mount.retainzfs that started this daemon is gone (%s)",
                                 e.strerror or e)
             os.close(notify_fd)
-        if _STOP and msg != "OK":
-            log.info("signal %d before mounting: not mounting %s (%s)", _STOP[0], mnt, msg[4:])
+        if supervise.STOP and msg != "OK":
+            log.info("signal %d before mounting: not mounting %s (%s)", supervise.STOP[0], mnt,
+                     msg[4:])
         if msg == "OK":
-            _sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {mnt}")
+            supervise.sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {mnt}")
         else:
-            _sd_notify(f"STATUS={msg[4:]}")
+            supervise.sd_notify(f"STATUS={msg[4:]}")
 
     log = logging.getLogger("retainzfs")
     idle, trim_at = _tune_malloc()
@@ -489,10 +424,10 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
                 die(msg)
             return 1
     ops = fs.Operations(store, acl=ours.get("acl", True))
-    if _STOP:                       # asked to stop while opening (a caller's Ctrl-C): no mount
+    if supervise.STOP:              # asked to stop while opening (a caller's Ctrl-C): no mount
         store.close()
         dev.close()
-        notify(f"ERR interrupted (signal {_STOP[0]}) before mounting")
+        notify(f"ERR interrupted (signal {supervise.STOP[0]}) before mounting")
         return 1
     try:
         extra = list(fuse_extra) + (["ro"] if ours.get("readonly") else [])
@@ -524,8 +459,8 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
             "readahead": store.reads.ra.pool.size, "readahead_wanted": store.reads.ra.pool.wanted}
         log.info("mounted %s on %s (allocator=%s, read_ahead_kb=%s, image_io=%s)", target, mnt,
                  store.opts.allocator, ra, store.tuning["image_io"])
-        if _STOP:                   # a signal came while mounting: libfuse's handler now stops
-            log.info("signal %d while mounting: unmounting", _STOP[0])
+        if supervise.STOP:          # a signal came while mounting: libfuse's handler now stops
+            log.info("signal %d while mounting: unmounting", supervise.STOP[0])
             os.kill(os.getpid(), signal.SIGTERM)
             return
         notify("OK")
@@ -547,7 +482,7 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
         log.exception("FUSE loop failed")
         rc = 1
     finally:
-        _sd_notify(f"STOPPING=1\nSTATUS=unmounting {mnt}")
+        supervise.sd_notify(f"STOPPING=1\nSTATUS=unmounting {mnt}")
         try:
             fs.unmount()
         except Exception:
@@ -560,94 +495,6 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
         dev.close()
         log.info("unmounted %s", mnt)
     return rc
-
-
-#: the signal(s) that asked the daemon to stop before libfuse's handlers were in place
-_STOP: list[int] = []
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-def _stop_signals(handler) -> None:
-    for sig in _STOP_SIGNALS:
-        signal.signal(sig, handler)
-
-
-def _asked_to_stop(sig: int, frame) -> None:
-    """Before serving: remember, so ``serve`` mounts nothing or unmounts at once.  Python's
-    defaults were a KeyboardInterrupt traceback (SIGINT) or death between the mount and the
-    loop (SIGTERM), which left a dead mount point."""
-    _STOP.append(sig)
-
-
-class _Interrupted(Exception):
-    pass
-
-
-def _interrupt(sig: int, frame) -> None:
-    raise _Interrupted(sig)
-
-
-def _wait_or_stop(pid: int, r: int, mnt: str, logfile: str) -> str:
-    """The daemon's readiness line.  Interrupted (Ctrl-C, or systemd's SIGTERM when a mount
-    takes too long): the daemon is stopped too -- before, it went on and mounted what the
-    caller had given up on, and the caller printed a KeyboardInterrupt traceback."""
-    _stop_signals(_interrupt)
-    try:
-        if _STOP:                             # (it came before this wait began)
-            raise _Interrupted(_STOP[0])
-        with os.fdopen(r, errors="surrogateescape") as f:
-            return f.readline().strip()
-    except _Interrupted as e:
-        sig = e.args[0]
-        _stop_signals(signal.SIG_IGN)         # (a second Ctrl-C: the daemon is told once)
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if os.waitpid(pid, os.WNOHANG)[0]:
-                die(f"interrupted ({signal.Signals(sig).name}): the daemon stopped; nothing is "
-                    f"mounted on {mnt}", 128 + sig)
-            time.sleep(0.05)
-        die(f"interrupted ({signal.Signals(sig).name}): the daemon (pid {pid}) was told to stop "
-            f"and has not yet (see {logfile})", 128 + sig)
-    raise AssertionError("unreachable")
-
-
-def _sd_notify(state: str) -> None:
-    """Tell a service manager (systemd's ``Type=notify``, ``$NOTIFY_SOCKET``) that the mount
-    is up (READY=1, only once the kernel has connected) or going down: a unit that starts
-    training ``After=`` this one then never writes into the empty directory under the mount
-    point.  Nothing without ``$NOTIFY_SOCKET``; a socket that cannot be reached is logged."""
-    where = os.environ.get("NOTIFY_SOCKET", "")
-    if not where:
-        return
-    addr = "\0" + where[1:] if where.startswith("@") else where     # (@: abstract namespace)
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-            s.connect(addr)
-            s.sendall(os.fsencode(state))
-    except OSError as e:
-        logging.getLogger("retainzfs").warning("cannot notify %s (NOTIFY_SOCKET): %s", where,
-                                               e.strerror or e)
-
-
-#: control characters a log message may carry in a name, escaped (tab kept)
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127) if c != 9}
-
-
-class OneLineFormatter(logging.Formatter):
-    """Each record one line, whatever it names: a file or directory name may hold a newline
-    (Linux allows any byte but ``/`` and NUL), and one logged in a message split its line in
-    two -- and could forge a line of its own (``d\\n... ERROR ...``).  Tracebacks, appended
-    after the message, keep their lines."""
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        return super().formatMessage(record).translate(_CONTROL)
-
-
-def _log_to(stream, level: int) -> None:
-    h = logging.StreamHandler(stream)
-    h.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=level, handlers=[h])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -665,19 +512,19 @@ def main(argv: list[str] | None = None) -> int:
     if other and not _is_stale(other):    # fail at once (the lock retry is for exiting daemons)
         die(f"{target} is in use: already mounted at {other}")
     level = logging.DEBUG if ours.get("debug") else logging.INFO
-    _stop_signals(_asked_to_stop)           # (before the fork: the daemon starts with it)
+    supervise.stop_signals(supervise.asked_to_stop)   # (before the fork: the daemon starts with it)
     if args.foreground:
-        _log_to(sys.stderr, level)
+        daemonlog.log_to(sys.stderr, level)
         return serve(target, os.path.realpath(mnt), ours, fuse_extra, None)
 
     if ours.get("log"):
         logfile = os.path.abspath(ours["log"])
         try:                                      # in the parent: a bad path is a one-line error
-            fd = os.open(logfile, _LOG_FLAGS, 0o644)
+            fd = os.open(logfile, daemonlog.LOG_FLAGS, 0o644)
         except OSError as e:
             die(f"cannot open log file {logfile}: {e.strerror}")
     else:
-        logfile, fd = _open_default_log(mnt)
+        logfile, fd = daemonlog.open_default_log(mnt)
     ours["log_path"] = logfile
     # the daemon leaves the caller's directory (so it does not pin it): absolute paths
     target, mnt = os.path.abspath(target), os.path.realpath(mnt)   # (not mounted yet: safe)
@@ -693,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(null, 0)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
-            _log_to(sys.stderr, level)
+            daemonlog.log_to(sys.stderr, level)
             code = serve(target, mnt, ours, fuse_extra, w)
         except BaseException:
             logging.getLogger("retainzfs").exception("daemon failed")
@@ -701,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(code)
     os.close(w)
     os.close(fd)
-    msg = _wait_or_stop(pid, r, mnt, logfile)
+    msg = supervise.wait_or_stop(pid, r, mnt, logfile)
     if msg == "OK":
         return 0
     die(msg[4:] if msg.startswith("ERR ") else f"daemon exited before mounting (see {logfile})")
