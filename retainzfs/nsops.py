@@ -186,7 +186,8 @@ class NamespaceOps:
     def new_inode_locked(self, parent: Inode, name: bytes, mode: int, uid: int, gid: int,
                          target: bytes = b"", rdev: int = 0, umask: int = 0) -> Inode:
         """A new node; its mode less the ``umask``, or, in a directory with a default ACL
-        (ACLs on), the ACL's instead (``acl.inherit``)."""
+        (ACLs on), the ACL's instead (``acl.inherit``); in a set-group-ID directory, the
+        directory's group."""
         s = self.s
         self.check_name(name)
         if name in parent.entries:
@@ -194,6 +195,13 @@ class NamespaceOps:
         t = now_ns()
         default = parent.xattrs.get(acl.DEFAULT) if s.acls else None
         mode, acls = acl.inherit(default, mode, umask)
+        if parent.mode & stat.S_ISGID:
+            # a set-group-ID directory gives what is made in it its group, and a directory
+            # its set-group-ID bit too (as ext4's ``inode_init_owner``): a team's shared
+            # checkpoint directory (chgrp team; chmod g+s) kept each writer's own group
+            gid = parent.gid
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
         ino = Inode(s.next_ino, mode, uid, gid, nlink=2 if stat.S_ISDIR(mode) else 1,
                     atime=t, mtime=t, ctime=t, target=target, rdev=rdev, parent=parent.ino,
                     name=name, size=len(target), xattrs=acls or None)

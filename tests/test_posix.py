@@ -413,6 +413,51 @@ def test_symlink_readlink(mounted):
     assert (mounted / "target").exists()
 
 
+SGID_SESSION = r"""
+set -e
+cd "$1"; umask 022
+mkdir team; chgrp 1000 team; chmod 2777 team
+touch team/root-file; mkdir team/root-dir; mkdir -m 700 team/private; mkfifo team/fifo
+ln -s root-file team/link; mkdir team/root-dir/deeper
+setpriv --reuid=65534 --regid=65534 --clear-groups sh -c \
+    'umask 022; touch team/nobody-file; mkdir team/nobody-dir; chmod 2755 team/nobody-file'
+mkdir plain; chgrp 1000 plain; touch plain/f; mkdir plain/d
+stat -c "%A %u %g %n" team team/* team/root-dir/deeper plain plain/*
+"""
+
+
+def test_a_set_group_id_directory_gives_its_group_as_on_ext4(image):
+    """A team's shared directory (``chgrp team; chmod g+s``): what anyone makes in it takes
+    the directory's group, and a new directory its set-group-ID bit too; a file of that
+    group whose owner is not in it cannot be made set-group-ID.  The same session on the
+    host's file system (ext4 here) and on the mount, the same ``stat`` lines, and again
+    after a remount.  Files took their maker's group before (``-rw-r--r-- 0 team/f``)."""
+    import tempfile
+    from conftest import Mount
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) missing")
+    top = tempfile.mkdtemp(dir="/tmp", prefix="rz-sgid-")     # a path nobody may walk
+    os.chmod(top, 0o755)
+    host = os.path.join(top, "host")
+    os.mkdir(host, 0o755)
+    m = Mount(image, os.path.join(top, "mnt"), "allow_other")
+    try:
+        m.mount()
+        want = run("bash", "-c", SGID_SESSION, "sgid", host).stdout
+        got = run("bash", "-c", SGID_SESSION, "sgid", str(m.path)).stdout
+        assert got == want
+        assert "drwxr-sr-x 0 1000 team/root-dir" in got
+        assert "-rwxr-xr-x 65534 1000 team/nobody-file" in got    # (2755: the S_ISGID dropped)
+        m.remount()
+        lines = run("bash", "-c", 'cd "$1" && stat -c "%A %u %g %n" team team/* '
+                    'team/root-dir/deeper plain plain/*', "x", str(m.path)).stdout
+        assert lines == got
+        m.umount()
+    finally:
+        m.teardown()
+        shutil.rmtree(top, ignore_errors=True)
+
+
 def test_chmod_utime(mounted):
     p = mounted / "f"
     write_file(p, b"x")
