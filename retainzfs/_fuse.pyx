@@ -551,7 +551,7 @@ cdef void h_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_ino
 
 cdef void h_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept with gil:
     try:
-        fh, direct_io, keep_cache = _ops.open(ino, fi.flags)
+        fh, direct_io, keep_cache = _ops.open(ino, fi.flags, _ctx(req))
     except BaseException as exc:
         fuse_reply_err(req, _err(exc, b"open"))
         return

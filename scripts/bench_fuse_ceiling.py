@@ -290,7 +290,7 @@ def serve_binding(mnt: str) -> int:
             n.nlink = 2
             return self._attr(n)
 
-        def open(self, ino, flags):
+        def open(self, ino, flags, ctx=None):
             n = self._node(ino)
             if flags & os.O_TRUNC:
                 n.size = 0

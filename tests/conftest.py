@@ -112,6 +112,24 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def walkable_mount(image, options: str = "allow_other"):
+    """(mount, top): ``image`` mounted with ``options`` under a fresh 0755 directory ``top``
+    in /tmp, which ``nobody`` may walk (pytest's own directories are root's, 0700), for
+    tests that run commands as another user; unmounted and removed after."""
+    import tempfile
+    top = tempfile.mkdtemp(dir="/tmp", prefix="rz-walk-")
+    os.chmod(top, 0o755)
+    m = Mount(image, os.path.join(top, "mnt"), options)
+    try:
+        m.mount()
+        os.chmod(m.path, 0o755)
+        yield m, top
+    finally:
+        m.teardown()
+        shutil.rmtree(top, ignore_errors=True)
+
+
 class Mount:
     """A live retainzfs mount made with the real commands; path-like."""
 

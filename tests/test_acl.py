@@ -9,7 +9,6 @@ import os
 import shutil
 import stat
 import subprocess
-import tempfile
 
 import pytest
 from hypothesis import given, settings
@@ -18,7 +17,7 @@ from hypothesis import strategies as st
 from retainzfs import acl as A
 from retainzfs.errors import FsError
 
-from conftest import Mount, run
+from conftest import run, walkable_mount
 
 NOBODY = 65534
 
@@ -182,11 +181,7 @@ def test_the_kernel_enforces_the_acl_and_noacl_turns_them_off(image):
     refuses setfacl, hides the stored ACL and leaves the mode's bits to decide."""
     if shutil.which("setfacl") is None or shutil.which("setpriv") is None:
         pytest.skip("setfacl / setpriv missing")
-    top = tempfile.mkdtemp(dir="/tmp", prefix="rz-acl-")   # a path nobody may walk
-    os.chmod(top, 0o755)
-    m = Mount(image, os.path.join(top, "mnt"), "allow_other")
-    try:
-        m.mount()
+    with walkable_mount(image) as (m, _):
         assert m.status()["tuning"]["posix_acl"] == "on"
         p = m.path / "s"
         p.write_bytes(b"root's\n")
@@ -217,9 +212,6 @@ def test_the_kernel_enforces_the_acl_and_noacl_turns_them_off(image):
         assert "user:nobody:rw-\t#effective:r--" in run("getfacl", "-c", q).stdout
         m.umount()
         assert "Traceback" not in m.daemon_log() and "internal error" not in m.daemon_log()
-    finally:
-        m.teardown()
-        shutil.rmtree(top, ignore_errors=True)
 
 
 def test_cp_a_of_files_with_acls_into_the_mount_keeps_them(tmp_path, mounted):
