@@ -112,6 +112,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def missing(why: str):
+    """A prerequisite that setup installs is missing: skip for a developer, fail under
+    ``CI=true`` (where every test must run)."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{why} (CI=true: this test must run; scripts/setup.sh installs it)")
+    pytest.skip(why)
+
+
 @contextlib.contextmanager
 def walkable_mount(image, options: str = "allow_other"):
     """(mount, top): ``image`` mounted with ``options`` under a fresh 0755 directory ``top``

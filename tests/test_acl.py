@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from retainzfs import acl as A
 from retainzfs.errors import FsError
 
-from conftest import run, walkable_mount
+from conftest import missing, run, walkable_mount
 
 NOBODY = 65534
 
@@ -139,9 +139,7 @@ umask 022; mkdir plain; touch plain/x; mkfifo plain/p; stat -c "%A %n" plain/*
 
 def _acl_host(tmp_path) -> str:
     if shutil.which("setfacl") is None:
-        if os.environ.get("CI"):
-            pytest.fail("setfacl missing: scripts/setup.sh installs the acl package")
-        pytest.skip("setfacl (the acl package) not installed")
+        missing("setfacl (the acl package) not installed")
     d = tmp_path / "host"
     d.mkdir()
     probe = d / "probe"
@@ -180,7 +178,7 @@ def test_the_kernel_enforces_the_acl_and_noacl_turns_them_off(image):
     u:nobody:rw``, may only read it under a mask of r; kept across a remount.  ``-o noacl``
     refuses setfacl, hides the stored ACL and leaves the mode's bits to decide."""
     if shutil.which("setfacl") is None or shutil.which("setpriv") is None:
-        pytest.skip("setfacl / setpriv missing")
+        missing("setfacl (acl) / setpriv (util-linux) not installed")
     with walkable_mount(image) as (m, _):
         assert m.status()["tuning"]["posix_acl"] == "on"
         p = m.path / "s"

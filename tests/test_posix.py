@@ -418,9 +418,9 @@ def _on_host_and_mount(image, session: str, remount_check: str | None = None) ->
     ``nobody``) in a directory of the host's file system (ext4 here) and on a mount of
     ``image``, under a path ``nobody`` may walk; assert the same output, and after a remount
     the same output of ``remount_check``; return the output."""
-    from conftest import walkable_mount
+    from conftest import missing, walkable_mount
     if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) missing")
+        missing("setpriv (util-linux) not installed")
     prelude = 'set -u; umask 022; N="setpriv --reuid=65534 --regid=65534 --clear-groups"\n'
     with walkable_mount(image) as (m, top):
         host = os.path.join(top, "host")
