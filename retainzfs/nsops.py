@@ -415,6 +415,8 @@ class NamespaceOps:
                 inode.atime = atime
             if mtime is not None:
                 inode.mtime = mtime
+            elif size is not None:      # the kernel sends a truncate's size alone; ext4 sets
+                inode.mtime = t         # both times at any size change, even to the same size
             inode.ctime = ctime if ctime is not None else t
             self.save_inode_locked(inode)
             return inode

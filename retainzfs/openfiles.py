@@ -52,8 +52,8 @@ class OpenFiles:
         self.room = Room(store, self)
 
     def open(self, ino: int, truncate: bool = False):
-        if truncate:
-            self.truncate(ino, 0)
+        if truncate:        # (an empty file's times change too, as POSIX asks of O_TRUNC)
+            self.truncate(ino, 0, touch=True)
         s = self.s
         with s.lock:
             inode = s.ns.get_locked(ino)
@@ -421,9 +421,12 @@ class OpenFiles:
         if not keep_size:
             self.truncate(ino, end, grow_only=True)
 
-    def truncate(self, ino: int, size: int, grow_only: bool = False) -> None:
+    def truncate(self, ino: int, size: int, grow_only: bool = False,
+                 touch: bool = False) -> None:
         """Set the size; ``grow_only``: never below the size it has when the locks are held
-        (a fallocate racing a writer that extended the file meanwhile must not cut it)."""
+        (a fallocate racing a writer that extended the file meanwhile must not cut it);
+        ``touch``: the modification and change times too when the size stays (O_TRUNC of an
+        empty file, as on ext4)."""
         s = self.s
         self.wait_flush(ino)
         self.flush_data(ino, final=True)
@@ -433,6 +436,9 @@ class OpenFiles:
                 if not inode.is_reg:
                     raise FsError(errno.EISDIR if inode.is_dir else errno.EINVAL)
                 if size == inode.size or (grow_only and size < inode.size):
+                    if touch:
+                        inode.mtime = inode.ctime = now_ns()
+                        s.ns.save_inode_locked(inode)
                     return
                 dead = s.do_locked(R.TRUNCATE, R.pack_truncate(ino, size))
                 s.reclaim.dead_locked(dead)
