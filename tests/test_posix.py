@@ -579,21 +579,96 @@ os.close(fd)
 """
 
 
-def test_which_times_each_call_changes_answer_as_on_ext4(tmp_path, mounted):
-    """34 calls (creates, writes, truncates to the same and other sizes, O_TRUNC, chmod,
+ERRORS_SESSION = r"""
+import errno, os, sys
+os.chdir(sys.argv[1])
+def t(label, fn):
+    try:
+        r = fn(); out = "ok" if r is None or isinstance(r, int) else f"ok {r!r}"[:40]
+    except OSError as e:
+        out = errno.errorcode.get(e.errno, str(e.errno))
+    print(f"{label:34s} {out}")
+os.mkdir("d"); os.mkdir("d/sub"); open("d/f", "wb").write(b"abc"); os.symlink("f", "d/l")
+os.symlink("loop2", "d/loop1"); os.symlink("loop1", "d/loop2"); os.mkdir("e")
+t("rmdir nonempty", lambda: os.rmdir("d"))
+t("rmdir file", lambda: os.rmdir("d/f"))
+t("rmdir dot", lambda: os.rmdir("d/sub/."))
+t("rmdir symlink", lambda: os.rmdir("d/l"))
+t("unlink dir", lambda: os.unlink("d/sub"))
+t("mkdir existing", lambda: os.mkdir("d/f"))
+t("mkdir under file", lambda: os.mkdir("d/f/x"))
+t("open under file", lambda: open("d/f/x"))
+t("open dir for write", lambda: os.open("d", os.O_WRONLY))
+t("open O_DIRECTORY file", lambda: os.open("d/f", os.O_RDONLY | os.O_DIRECTORY))
+t("open O_EXCL existing", lambda: os.open("d/f", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+t("open O_EXCL symlink", lambda: os.open("d/l", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+t("open O_NOFOLLOW symlink", lambda: os.open("d/l", os.O_RDONLY | os.O_NOFOLLOW))
+t("open loop", lambda: open("d/loop1"))
+t("open dangling creat", lambda: os.close(os.open("d/dang", os.O_CREAT | os.O_WRONLY)))
+os.symlink("nowhere/x", "d/dang2")
+t("open dangling dir creat", lambda: os.open("d/dang2", os.O_CREAT | os.O_WRONLY))
+t("link to dir", lambda: os.link("d/sub", "d/sub2"))
+t("link existing", lambda: os.link("d/f", "d/l"))
+t("link to symlink", lambda: os.link("d/l", "d/l2", follow_symlinks=False))
+t("readlink file", lambda: os.readlink("d/f"))
+t("truncate dir", lambda: os.truncate("d", 0))
+t("truncate negative", lambda: os.truncate("d/f", -1))
+t("rename dir over file", lambda: os.rename("d/sub", "d/f"))
+t("rename file over dir", lambda: os.rename("d/f", "d/sub"))
+t("rename dir over nonempty", lambda: os.rename("e", "d"))
+t("rename dir into self", lambda: os.rename("d", "d/sub/x"))
+t("rename missing", lambda: os.rename("d/zz", "d/yy"))
+t("rename dot", lambda: os.rename("d/sub/.", "d/q"))
+t("rename over dotdot", lambda: os.rename("e", "d/sub/.."))
+t("rename file to itself (link)", lambda: os.rename("d/f", "d/f"))
+os.link("d/f", "d/hard")
+t("rename hardlink over twin", lambda: os.rename("d/f", "d/hard"))
+t("listdir after", lambda: sorted(os.listdir("d")))
+t("mknod regular", lambda: os.mknod("d/reg", 0o644))
+t("mknod existing", lambda: os.mknod("d/reg", 0o644))
+t("symlink existing", lambda: os.symlink("x", "d/reg"))
+t("symlink empty target", lambda: os.symlink("", "d/empty"))
+t("chdir file", lambda: os.chdir("d/f"))
+t("utime missing", lambda: os.utime("d/nope"))
+t("xattr missing get", lambda: os.getxattr("d/f", "user.none"))
+t("xattr create twice", lambda: (os.setxattr("d/f", "user.a", b"1", os.XATTR_CREATE), os.setxattr("d/f", "user.a", b"1", os.XATTR_CREATE)))
+t("xattr replace missing", lambda: os.setxattr("d/f", "user.b", b"1", os.XATTR_REPLACE))
+t("xattr remove missing", lambda: os.removexattr("d/f", "user.zz"))
+t("xattr name 256", lambda: os.setxattr("d/f", "user." + "n" * 251, b"1"))
+t("xattr empty value", lambda: (os.setxattr("d/f", "user.e", b""), os.getxattr("d/f", "user.e")))
+t("lseek data beyond", lambda: os.lseek(os.open("d/f", os.O_RDONLY), 100, os.SEEK_DATA))
+t("lseek hole", lambda: os.lseek(os.open("d/f", os.O_RDONLY), 0, os.SEEK_HOLE))
+t("pread beyond eof", lambda: os.pread(os.open("d/f", os.O_RDONLY), 10, 100))
+t("write to O_RDONLY", lambda: os.write(os.open("d/f", os.O_RDONLY), b"x"))
+t("read from O_WRONLY", lambda: os.read(os.open("d/f", os.O_WRONLY), 1))
+t("write to dir fd", lambda: os.write(os.open("d", os.O_RDONLY), b"x"))
+t("read dir fd", lambda: os.read(os.open("d", os.O_RDONLY), 1))
+t("fallocate negative", lambda: os.posix_fallocate(os.open("d/f", os.O_RDWR), 0, -1))
+t("rmdir root-ish dotdot", lambda: os.rmdir("d/sub/.."))
+"""
+
+
+@pytest.mark.parametrize("session,lines", [(TIMES_SESSION, 34), (ERRORS_SESSION, 53)],
+                         ids=["times", "errors"])
+def test_calls_answer_as_on_ext4(tmp_path, mounted, session, lines):
+    """The same calls on the host's ext4 and on the mount, the same output line for line.
+    times: 34 calls (creates, writes, truncates to the same and other sizes, O_TRUNC, chmod,
     chown, xattrs, links, renames, utime, fallocate, ...), each printing whether it changed
-    the modification and change times of the file and of the directories involved: the
-    same lines on the host's ext4 and on the mount.  Two differed: O_TRUNC of an empty file
-    and truncate() to the size a file already has changed no mtime (the kernel sends a
-    truncate's size alone; ext4 sets both times at any size change)."""
-    script = tmp_path / "times.py"
-    script.write_text(TIMES_SESSION)
+    the modification and change times of the file and of the directories involved; two
+    differed: O_TRUNC of an empty file and truncate() to the size a file already has
+    changed no mtime (the kernel sends a truncate's size alone; ext4 sets both times at any
+    size change).  errors: 53 calls that must fail (or must not) and the errno each gives
+    (rmdir, unlink, mkdir, open flags, symlink loops, links, renames onto and into
+    themselves, readlink, truncate, xattr flags and bounds, SEEK_DATA/HOLE, descriptors'
+    modes); these agreed already."""
+    script = tmp_path / "session.py"
+    script.write_text(session)
     host = tmp_path / "host"
     host.mkdir()
     want = run("python3", script, host).stdout
     got = run("python3", script, mounted.path).stdout
     assert got == want
-    assert len(got.splitlines()) == 34
+    assert len(got.splitlines()) == lines
 
 
 def test_chmod_utime(mounted):
