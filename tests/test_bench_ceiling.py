@@ -85,7 +85,7 @@ def test_the_script_prints_a_ceiling_for_every_bench_io_figure(tmp_path):
     res = json.loads(r.stdout)
     assert set(res["figures"]) == {"seq_write_fsync", "cold_seq_read", "8_writers", "8_readers",
                                    "random_4k_mmap_read", "small_files_2000",
-                                   "small_files_2000_4procs"}
+                                   "small_files_2000_4procs", "small_files_2000_cold_read"}
     assert set(res["daemons"]) == {"pyfuse3", "rz_binding", "c_mt"}
     for k, v in res["figures"].items():
         assert v["plain_s"] > 0, (k, v)

@@ -32,7 +32,7 @@ def test_bench_io_prints_every_figure_and_the_disk_bound(tmp_path):
     res = _run("bench_io.py", "--size", "32M", "--rounds", "1", "--workdir", str(tmp_path))
     assert set(res["figures"]) == {"seq_write_fsync", "cold_seq_read", "8_writers", "8_readers",
                                    "random_4k_mmap_read", "small_files_2000",
-                                   "small_files_2000_4procs"}
+                                   "small_files_2000_4procs", "small_files_2000_cold_read"}
     for k, v in res["figures"].items():
         assert v["retainzfs_s"] > 0 and v["plain_s"] > 0, (k, v)
         assert math.isfinite(v["ratio"]) and v["ratio"] > 0, (k, v)
