@@ -308,6 +308,7 @@ cdef size_t NOGIL_COPY = 64 << 10
 cdef object _arenas = WriteArenas()
 
 cdef object _ops = None           # the handlers (fs.Operations); one session per process
+                                  # (``want_acl``, ``init(acl)``: ACLs asked for and granted)
 cdef fuse_session *_se = NULL
 cdef fuse_lowlevel_ops _llops
 
@@ -423,9 +424,9 @@ cdef void _answer_entry(fuse_req_t req, const char *op, object fn, tuple args):
 # ---------------------------------------------------------------------------- handlers (GIL held)
 
 cdef void h_init(void *userdata, fuse_conn_info *conn) noexcept with gil:
-    cdef int acl = rz_init_conn(conn, bool(getattr(_ops, "want_acl", False)))
+    cdef int acl = rz_init_conn(conn, bool(_ops.want_acl))
     try:
-        _ops.init(bool(acl)) if hasattr(_ops, "want_acl") else _ops.init()
+        _ops.init(bool(acl))
     except BaseException as exc:
         log.exception("init")
 

@@ -188,18 +188,10 @@ class Operations:
             raise FsError(errno.EBADF) from None
 
     def open(self, ino: int, flags: int, ctx=None) -> tuple[int, bool, bool]:
-        """(fh, direct_io, keep_cache).  O_TRUNC is done here (FUSE_ATOMIC_O_TRUNC: the kernel
-        sends no truncate of its own), so the set-user-ID bit, and set-group-ID with group
-        execute, go as the kernel's truncate would take them for a caller other than root:
-        ``: > f`` by a user kept a world-writable setuid file setuid (ext4 clears it)."""
-        self.store.open(ino, truncate=bool(flags & os.O_TRUNC))
-        if flags & os.O_TRUNC and ctx is not None and ctx[0] != 0:
-            mode = self.store.stat(ino).mode
-            kill = mode & stat.S_ISUID
-            if mode & (stat.S_ISGID | stat.S_IXGRP) == stat.S_ISGID | stat.S_IXGRP:
-                kill |= stat.S_ISGID
-            if kill:
-                self.store.setattr(ino, mode=mode & ~kill & 0o7777)
+        """(fh, direct_io, keep_cache).  O_TRUNC is done here (FUSE_ATOMIC_O_TRUNC), with the
+        set-ID bits a caller other than root loses (``OpenFiles.open``)."""
+        self.store.open(ino, truncate=bool(flags & os.O_TRUNC),
+                        kill_priv=ctx is not None and ctx[0] != 0)
         fh, direct = self._new_fh(ino), _direct_write(flags, self.store.stat(ino))
         if direct:
             self.direct.add(fh)

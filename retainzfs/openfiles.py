@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import stat
 import threading
 import time
 from time import time_ns as now_ns
@@ -51,9 +52,13 @@ class OpenFiles:
         self.dirty_since: dict[int, float] = {}
         self.room = Room(store, self)
 
-    def open(self, ino: int, truncate: bool = False):
-        if truncate:        # (an empty file's times change too, as POSIX asks of O_TRUNC)
-            self.truncate(ino, 0, touch=True)
+    def open(self, ino: int, truncate: bool = False, kill_priv: bool = False):
+        """``truncate``: O_TRUNC (an empty file's times change too, as POSIX asks);
+        ``kill_priv``: by a caller other than root, which takes the set-ID bits as the
+        kernel's truncate would (FUSE_ATOMIC_O_TRUNC: the kernel sends no truncate of its own,
+        and ``: > f`` by a user kept a world-writable setuid file setuid; ext4 clears it)."""
+        if truncate:
+            self.truncate(ino, 0, touch=True, kill_priv=kill_priv)
         s = self.s
         with s.lock:
             inode = s.ns.get_locked(ino)
@@ -422,11 +427,12 @@ class OpenFiles:
             self.truncate(ino, end, grow_only=True)
 
     def truncate(self, ino: int, size: int, grow_only: bool = False,
-                 touch: bool = False) -> None:
+                 touch: bool = False, kill_priv: bool = False) -> None:
         """Set the size; ``grow_only``: never below the size it has when the locks are held
         (a fallocate racing a writer that extended the file meanwhile must not cut it);
         ``touch``: the modification and change times too when the size stays (O_TRUNC of an
-        empty file, as on ext4)."""
+        empty file, as on ext4); ``kill_priv``: clear set-user-ID, and set-group-ID with
+        group execute, in the same inode record."""
         s = self.s
         self.wait_flush(ino)
         self.flush_data(ino, final=True)
@@ -435,8 +441,9 @@ class OpenFiles:
                 inode = s.ns.get_locked(ino)
                 if not inode.is_reg:
                     raise FsError(errno.EISDIR if inode.is_dir else errno.EINVAL)
+                killed = _kill_priv_locked(inode) if kill_priv else False
                 if size == inode.size or (grow_only and size < inode.size):
-                    if touch:
+                    if touch or killed:
                         inode.mtime = inode.ctime = now_ns()
                         s.ns.save_inode_locked(inode)
                     return
@@ -450,3 +457,12 @@ class OpenFiles:
                 inode.dirty = True             # the next close makes the truncation durable
                 s.ns.save_inode_locked(inode)
         s.reclaim.reset_empty_zones()
+
+
+def _kill_priv_locked(inode) -> bool:
+    """Clear the bits a truncate by a caller other than root takes (Store.lock held)."""
+    kill = inode.mode & stat.S_ISUID
+    if inode.mode & (stat.S_ISGID | stat.S_IXGRP) == stat.S_ISGID | stat.S_IXGRP:
+        kill |= stat.S_ISGID
+    inode.mode &= ~kill
+    return bool(kill)

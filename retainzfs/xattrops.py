@@ -25,12 +25,11 @@ log = logging.getLogger("retainzfs")
 XATTR_TOTAL_MAX = 1 << 20
 #: and their number: the journal's inode entry counts them in a u16
 XATTR_COUNT_MAX = 0xFFFF
-#: POSIX ACLs (``acl.py``): kept only while the kernel enforces them (FUSE_POSIX_ACL,
-#: ``Store.acls``).  Without it the kernel checks access by the mode bits alone and hands
-#: these over as plain xattrs: stored, ``setfacl`` succeeded and ``getfacl`` showed an ACL
-#: that nothing applied (a mask taking write from the group left the group writing); so then
-#: they are refused, as a file system mounted without ACLs refuses them, and not shown.
-ACL_XATTRS = acl.NAMES
+# POSIX ACLs (``acl.NAMES``): kept only while the kernel enforces them (FUSE_POSIX_ACL,
+# ``Store.acls``).  Without it the kernel checks access by the mode bits alone and hands
+# these over as plain xattrs: stored, ``setfacl`` succeeded and ``getfacl`` showed an ACL
+# that nothing applied (a mask taking write from the group left the group writing); so then
+# they are refused, as a file system mounted without ACLs refuses them, and not shown.
 #: the namespaces a name may be set in, as on ext4 and XFS: the kernel hands FUSE any name,
 #: so ``foo`` or ``system.x`` were stored (EOPNOTSUPP there) and ``user.`` too (EINVAL there)
 NAMESPACES = frozenset({b"user", b"trusted", b"security"})
@@ -45,7 +44,7 @@ class XattrOps:
         """Set an xattr; ``create`` (XATTR_CREATE): EEXIST if it exists, ``replace``
         (XATTR_REPLACE): ENODATA if not, decided under the lock with the change (two racing
         XATTR_CREATEs: one wins)."""
-        if name in ACL_XATTRS:
+        if name in acl.NAMES:
             self._set_acl(ino, name, value, create, replace)
             return
         space, dot, rest = name.partition(b".")
@@ -136,7 +135,7 @@ class XattrOps:
                     raise FsError(errno.ENODATA) from None
                 return json.dumps(s.report.zone_map(first, H.ZONEMAP_ROWS),
                                   separators=(",", ":")).encode()
-            if name in ACL_XATTRS and not s.acls:
+            if name in acl.NAMES and not s.acls:
                 raise FsError(errno.ENODATA)          # kept from an ACL mount: not applied
             try:
                 return inode.xattrs[name]
@@ -147,7 +146,7 @@ class XattrOps:
         with self.s.lock:
             names = list(self.s.ns.get_locked(ino).xattrs)
             if not self.s.acls:
-                names = [n for n in names if n not in ACL_XATTRS]
+                names = [n for n in names if n not in acl.NAMES]
             return names
 
     def removexattr(self, ino: int, name: bytes) -> None:

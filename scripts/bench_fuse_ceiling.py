@@ -236,6 +236,7 @@ def serve_binding(mnt: str) -> int:
 
     class NullOps:
         blksize, timeout, negative_timeout = BLKSIZE, ENTRY_TIMEOUT, ENTRY_TIMEOUT
+        want_acl = False                          # as ``-o noacl``: no ACL round trips
 
         def __init__(self) -> None:
             self.nodes = {1: Node(1, stat.S_IFDIR | 0o755)}
@@ -243,7 +244,7 @@ def serve_binding(mnt: str) -> int:
             self.next = 2
             self.lock = threading.Lock()          # handlers run in parallel here
 
-        def init(self):
+        def init(self, acl: bool) -> None:
             print("OK", flush=True)              # the readahead is set by run_null
 
         def _attr(self, n: Node) -> Attrs:

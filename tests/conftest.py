@@ -138,6 +138,28 @@ def walkable_mount(image, options: str = "allow_other"):
         shutil.rmtree(top, ignore_errors=True)
 
 
+def on_host_and_mount(image, session: str, remount_check: str | None = None) -> str:
+    """Run a shell ``session`` (``$1``: the directory; ``N``: a prefix running a command as
+    ``nobody``) in a directory of the host's file system (ext4 here) and on a mount of
+    ``image``, under a path ``nobody`` may walk; assert the same output, and after a remount
+    the same output of ``remount_check``; return the output."""
+    if shutil.which("setpriv") is None:
+        missing("setpriv (util-linux) not installed")
+    prelude = 'set -u; umask 022; N="setpriv --reuid=65534 --regid=65534 --clear-groups"\n'
+    with walkable_mount(image) as (m, top):
+        host = os.path.join(top, "host")
+        os.mkdir(host, 0o755)
+        want = run("bash", "-c", prelude + session, "s", host).stdout
+        got = run("bash", "-c", prelude + session, "s", str(m.path)).stdout
+        assert got == want
+        if remount_check:
+            before = run("bash", "-c", remount_check, "s", str(m.path)).stdout
+            m.remount()
+            assert run("bash", "-c", remount_check, "s", str(m.path)).stdout == before
+        m.umount()
+        return got
+
+
 class Mount:
     """A live retainzfs mount made with the real commands; path-like."""
 

@@ -28,6 +28,8 @@ import sys
 
 import pytest
 
+from conftest import missing
+
 pytestmark = pytest.mark.campaign
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -38,15 +40,9 @@ KILLS = int(os.environ.get("RETAINZFS_CAMPAIGN_KILLS", "50"))
 POWERCUTS = int(os.environ.get("RETAINZFS_CAMPAIGN_POWERCUTS", "20"))
 
 
-def _missing(msg: str):
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"{msg} (CI=true: the fault campaign must run)")
-    pytest.skip(msg)
-
-
 def _campaign(mode: str, iters: int, tmp_path: pathlib.Path, capsys) -> dict:
     if os.geteuid() != 0:
-        _missing("the fault campaign needs root (FUSE allow_other, umount)")
+        missing("the fault campaign needs root (FUSE allow_other, umount)")
     workdir = tmp_path / f"campaign-{mode}"
     argv = [sys.executable, str(SCRIPT), "--mode", mode, "--iters", str(iters), "--seed", SEED,
             "--workdir", str(workdir), "--suites", str(SUITES), "--json", "-q"]
@@ -80,7 +76,7 @@ def test_campaign_kill(tmp_path, capsys):
 
 def test_campaign_powercut(tmp_path, capsys):
     if not (SUITES / "lazyfs.sh").exists() or not (SUITES / "lazyfs").is_dir():
-        _missing(f"LazyFS (third-party suites) not found at {SUITES}: power cuts not run")
+        missing(f"LazyFS (third-party suites) not found at {SUITES}: power cuts not run")
     s = _campaign("powercut", POWERCUTS, tmp_path, capsys)
     assert s["power_cuts"] >= POWERCUTS and s["iterations"] >= POWERCUTS
     assert s["files_verified"] > 0 and s["deletions_verified"] > 0

@@ -21,7 +21,7 @@ import time
 import pytest
 import xattr
 
-from conftest import run
+from conftest import on_host_and_mount, run
 from retainzfs import hints as H
 
 MiB = 1 << 20
@@ -413,29 +413,6 @@ def test_symlink_readlink(mounted):
     assert (mounted / "target").exists()
 
 
-def _on_host_and_mount(image, session: str, remount_check: str | None = None) -> str:
-    """Run a shell ``session`` (``$1``: the directory; ``N``: a prefix running a command as
-    ``nobody``) in a directory of the host's file system (ext4 here) and on a mount of
-    ``image``, under a path ``nobody`` may walk; assert the same output, and after a remount
-    the same output of ``remount_check``; return the output."""
-    from conftest import missing, walkable_mount
-    if shutil.which("setpriv") is None:
-        missing("setpriv (util-linux) not installed")
-    prelude = 'set -u; umask 022; N="setpriv --reuid=65534 --regid=65534 --clear-groups"\n'
-    with walkable_mount(image) as (m, top):
-        host = os.path.join(top, "host")
-        os.mkdir(host, 0o755)
-        want = run("bash", "-c", prelude + session, "s", host).stdout
-        got = run("bash", "-c", prelude + session, "s", str(m.path)).stdout
-        assert got == want
-        if remount_check:
-            before = run("bash", "-c", remount_check, "s", str(m.path)).stdout
-            m.remount()
-            assert run("bash", "-c", remount_check, "s", str(m.path)).stdout == before
-        m.umount()
-        return got
-
-
 SGID_SESSION = r"""
 cd "$1"
 mkdir team; chgrp 1000 team; chmod 2777 team
@@ -453,7 +430,7 @@ def test_a_set_group_id_directory_gives_its_group_as_on_ext4(image):
     group whose owner is not in it cannot be made set-group-ID.  The same session on the
     host's file system (ext4 here) and on the mount, the same ``stat`` lines, and again
     after a remount.  Files took their maker's group before (``-rw-r--r-- 0 team/f``)."""
-    got = _on_host_and_mount(image, SGID_SESSION, 'cd "$1" && stat -c "%A %u %g %n" team '
+    got = on_host_and_mount(image, SGID_SESSION, 'cd "$1" && stat -c "%A %u %g %n" team '
                              'team/* team/root-dir/deeper plain plain/*')
     assert "drwxr-sr-x 0 1000 team/root-dir" in got
     assert "-rwxr-xr-x 65534 1000 team/nobody-file" in got    # (2755: the S_ISGID dropped)
@@ -509,7 +486,7 @@ def test_who_may_change_what_and_the_set_id_bits_answer_as_on_ext4(image):
     chmod, chgrp and set times.  ``: > f`` by a user kept a setuid file setuid: the daemon
     does O_TRUNC in its open (FUSE_ATOMIC_O_TRUNC), where the kernel's truncate would have
     taken the bit."""
-    got = _on_host_and_mount(image, PRIVILEGE_SESSION)
+    got = on_host_and_mount(image, PRIVILEGE_SESSION)
     assert "755 kp4755 o_trunc\n" in got and "4755 kp4755 o_trunc-by-root\n" in got
 
 

@@ -20,7 +20,7 @@ import xattr
 from retainzfs import hints as H
 
 
-def _missing(p) -> None:
+def _absent(p) -> None:
     for _ in range(3):                      # the first miss is cached, the next ones hit it
         with pytest.raises(FileNotFoundError):
             os.stat(p)
@@ -40,7 +40,7 @@ def test_negative_lookup_does_not_hide_new_names(mounted):
     open(os.path.join(root, "tmp"), "wb").close()
     for name, make in made.items():
         p = os.path.join(root, name)
-        _missing(p)
+        _absent(p)
         make(p)
         st = os.lstat(p)
         assert st.st_ino, name
@@ -48,18 +48,18 @@ def test_negative_lookup_does_not_hide_new_names(mounted):
     assert stat.S_ISDIR(os.stat(os.path.join(root, "dir")).st_mode)
     assert os.readlink(os.path.join(root, "symlink")) == "file"
     assert os.stat(os.path.join(root, "hardlink")).st_nlink == 2
-    _missing(os.path.join(root, "tmp"))                # the rename's old name is gone
+    _absent(os.path.join(root, "tmp"))                # the rename's old name is gone
     # O_EXCL still sees a name that exists, and a removed name is missing again at once
     with pytest.raises(FileExistsError):
         os.open(os.path.join(root, "file"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     os.unlink(os.path.join(root, "excl"))
-    _missing(os.path.join(root, "excl"))
+    _absent(os.path.join(root, "excl"))
     with open(os.path.join(root, "excl"), "wb") as f:     # and can be made again
         f.write(b"again")
     assert os.stat(os.path.join(root, "excl")).st_size == 5
     # a miss inside a directory, then the directory's new file through a second path
     sub = os.path.join(root, "dir")
-    _missing(os.path.join(sub, "late"))
+    _absent(os.path.join(sub, "late"))
     with open(os.path.join(root, "dir", ".", "late"), "wb") as f:
         f.write(b"x" * 10)
     assert os.stat(os.path.join(sub, "late")).st_size == 10

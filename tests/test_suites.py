@@ -22,13 +22,12 @@ import time
 
 import pytest
 
-from conftest import RETAINZFS, run
+from conftest import RETAINZFS, missing, run
 
 pytestmark = pytest.mark.suites
 
 SUITES = pathlib.Path(__file__).resolve().parents[2] / "shared" / "suites"
 CACHE = pathlib.Path(os.environ.get("RETAINZFS_SUITES_CACHE", "/tmp/retainzfs-suites"))
-IN_CI = os.environ.get("CI", "").lower() == "true"
 MiB = 1 << 20
 
 # Geometry the suites' README results were measured with: 2 GiB image, 16 MiB zones.
@@ -43,12 +42,6 @@ GEOMETRY = dict(size="2G", zone_size="16M", max_open=8, max_active=12)
 # unlink/02): lookup must answer ENAMETOOLONG for a name longer than 255 bytes (NAME_MAX), which
 # a FUSE file system can and must do.
 PJDFSTEST_ALLOWED: dict[str, str] = {}
-
-
-def _missing(msg: str):
-    if IN_CI:
-        pytest.fail(f"{msg} (CI=true: the third-party suites must run)")
-    pytest.skip(msg)
 
 
 def sha256(path) -> str:
@@ -72,9 +65,9 @@ def tail(text: str, n: int = 40) -> str:
 def suites() -> pathlib.Path:
     """The built suites: ``bash build.sh CACHE`` once per session; returns CACHE."""
     if not (SUITES / "build.sh").is_file():
-        _missing(f"third-party suites not found at {SUITES}")
+        missing(f"third-party suites not found at {SUITES}")
     if os.geteuid() != 0:
-        _missing("the third-party suites need root (pjdfstest switches uids)")
+        missing("the third-party suites need root (pjdfstest switches uids)")
     CACHE.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     p = run("bash", SUITES / "build.sh", CACHE, check=False, timeout=1800)
@@ -105,7 +98,7 @@ def parse_pjdfstest(out: str) -> tuple[int, int, str, dict[str, str]]:
 
 def test_pjdfstest(suites, make_image, mount_image, tmp_path, say):
     if not shutil.which("prove"):
-        _missing("prove (Debian perl) not found")
+        missing("prove (Debian perl) not found")
     m = mount_image(make_image(**GEOMETRY), options="allow_other")
     env = {**os.environ, "PJD_LOGDIR": str(tmp_path / "pjdfstest-logs")}
     t0 = time.monotonic()
@@ -219,7 +212,7 @@ def test_fio_verify_then_remount(suites, make_image, mount_image, tmp_path, say)
     """fio 4 KiB sequential and random writes verify (crc32c), and verify again after a remount;
     a flipped byte is then reported (the verification is not vacuous)."""
     if not shutil.which("fio"):
-        _missing("fio not found (Debian package fio; scripts/setup.sh installs it)")
+        missing("fio not found (Debian package fio; scripts/setup.sh installs it)")
     m = mount_image(make_image(**GEOMETRY))
     d = m.path / "fio"
     d.mkdir()
