@@ -681,7 +681,12 @@ class Journal:
         return sum(frame_size(len(b), self.bs) for b in bodies)
 
     def _super_body(self):
-        return encode_record(R.SUPER, self.sb.encode())
+        """The SUPER record starting each pair; kept per superblock object (none changes while
+        mounted), as the room checks ask for its length and ran ``json.dumps`` each time."""
+        c = getattr(self, "_super", None)
+        if c is None or c[0] is not self.sb:
+            c = self._super = (self.sb, encode_record(R.SUPER, self.sb.encode()))
+        return c[1]
 
     def _free_pairs(self):
         return [p for p in ((self.active + k) % self.pairs for k in range(1, self.pairs))

@@ -253,8 +253,8 @@ class Store:
     def do_locked(self, rtype: int, payload: bytes):
         """Apply a record to memory and queue it in the journal (caller holds self.lock)."""
         assert self.lock._is_owned(), "do_locked without Store.lock"
-        self.check_failed_locked()
-        res = self._apply(rtype, payload)
+        self.failure.check_locked()         # (the parts' own methods: ~7 records per small
+        res = self.applier.apply(rtype, payload)   # file, each past two ``_Via`` lookups)
         self.journal.append(rtype, payload)
         if len(self.journal.pending) > (1 << 20):
             self._want_journal_flush = True
