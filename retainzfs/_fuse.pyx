@@ -16,8 +16,10 @@ taking the GIL is a lock acquisition, not a thread-state allocation per request.
 
 Protocol choices that match what the file system was verified with on pyfuse3 (pjdfstest, fsx):
 READDIRPLUS always (the kernel takes a lookup reference for each entry but ``.`` and ``..``: the
-handler counts it), EXPORT_SUPPORT (``..`` lookups), no writeback cache, no ACLs; IOCTL, locks,
-fallocate, copy_file_range and lseek answer ENOSYS (libfuse's default for a missing handler).
+handler counts it), EXPORT_SUPPORT (``..`` lookups), no writeback cache; POSIX ACLs with
+DONT_MASK when the file system asks (``want_acl``); IOCTL, locks, copy_file_range and lseek
+answer ENOSYS (libfuse's default for a missing handler).  Handlers run holding the GIL and
+send their reply without it (``_rp_*``).
 """
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
@@ -313,6 +315,57 @@ cdef fuse_session *_se = NULL
 cdef fuse_lowlevel_ops _llops
 
 
+# Replies are sent without the GIL: each is a write to /dev/fuse that wakes the caller, whose
+# next request another libfuse thread has read by then and waits to run; holding the GIL over
+# the write made that thread wait for the system call too.
+cdef inline int _rp_err(fuse_req_t req, int err) noexcept:
+    cdef int r
+    with nogil:
+        r = fuse_reply_err(req, err)
+    return r
+
+
+cdef inline void _rp_none(fuse_req_t req) noexcept:
+    with nogil:
+        fuse_reply_none(req)
+
+
+cdef inline int _rp_entry(fuse_req_t req, const fuse_entry_param *e) noexcept:
+    cdef int r
+    with nogil:
+        r = fuse_reply_entry(req, e)
+    return r
+
+
+cdef inline int _rp_create(fuse_req_t req, const fuse_entry_param *e,
+                           const fuse_file_info *fi) noexcept:
+    cdef int r
+    with nogil:
+        r = fuse_reply_create(req, e, fi)
+    return r
+
+
+cdef inline int _rp_attr(fuse_req_t req, const stat *attr, double timeout) noexcept:
+    cdef int r
+    with nogil:
+        r = fuse_reply_attr(req, attr, timeout)
+    return r
+
+
+cdef inline int _rp_open(fuse_req_t req, const fuse_file_info *fi) noexcept:
+    cdef int r
+    with nogil:
+        r = fuse_reply_open(req, fi)
+    return r
+
+
+cdef inline int _rp_write(fuse_req_t req, size_t count) noexcept:
+    cdef int r
+    with nogil:
+        r = fuse_reply_write(req, count)
+    return r
+
+
 # ---------------------------------------------------------------------------- helpers (GIL held)
 
 cdef int _err(object e, const char *op):
@@ -367,15 +420,15 @@ cdef int _reply_entry(fuse_req_t req, object a):
     if a is None:                                 # a miss the kernel caches (negative entry)
         memset(&e, 0, sizeof(e))
         e.entry_timeout = _ops.negative_timeout
-        return fuse_reply_entry(req, &e)
+        return _rp_entry(req, &e)
     _fill_entry(&e, a, _ops.timeout)
-    return fuse_reply_entry(req, &e)
+    return _rp_entry(req, &e)
 
 
 cdef int _reply_attr(fuse_req_t req, object a):
     cdef fuse_entry_param e
     _fill_entry(&e, a, _ops.timeout)
-    return fuse_reply_attr(req, &e.attr, e.attr_timeout)
+    return _rp_attr(req, &e.attr, e.attr_timeout)
 
 
 cdef int _reply_bytes(fuse_req_t req, object data):
@@ -397,7 +450,7 @@ cdef int _reply_sized(fuse_req_t req, object data, size_t size):
     if size == 0:
         return fuse_reply_xattr(req, n)
     if n > size:
-        return fuse_reply_err(req, _errno.ERANGE)
+        return _rp_err(req, _errno.ERANGE)
     return _reply_bytes(req, data)
 
 
@@ -406,9 +459,9 @@ cdef void _answer_ok(fuse_req_t req, const char *op, object fn, tuple args):
     try:
         fn(*args)
     except BaseException as exc:
-        fuse_reply_err(req, _err(exc, op))
+        _rp_err(req, _err(exc, op))
     else:
-        fuse_reply_err(req, 0)
+        _rp_err(req, 0)
 
 
 cdef void _answer_entry(fuse_req_t req, const char *op, object fn, tuple args):
@@ -416,7 +469,7 @@ cdef void _answer_entry(fuse_req_t req, const char *op, object fn, tuple args):
     try:
         a = fn(*args)
     except BaseException as exc:
-        fuse_reply_err(req, _err(exc, op))
+        _rp_err(req, _err(exc, op))
     else:
         _reply_entry(req, a)
 
@@ -440,7 +493,7 @@ cdef void h_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup) noexcept wi
         _ops.forget(((ino, nlookup),))
     except BaseException:
         log.exception("forget")
-    fuse_reply_none(req)
+    _rp_none(req)
 
 
 cdef void h_forget_multi(fuse_req_t req, size_t count, fuse_forget_data *f) noexcept with gil:
@@ -449,14 +502,14 @@ cdef void h_forget_multi(fuse_req_t req, size_t count, fuse_forget_data *f) noex
         _ops.forget([(f[i].ino, f[i].nlookup) for i in range(count)])
     except BaseException:
         log.exception("forget")
-    fuse_reply_none(req)
+    _rp_none(req)
 
 
 cdef void h_getattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept with gil:
     try:
         a = _ops.getattr(ino)
     except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"getattr"))
+        _rp_err(req, _err(exc, b"getattr"))
     else:
         _reply_attr(req, a)
 
@@ -501,7 +554,7 @@ cdef void h_setattr(fuse_req_t req, fuse_ino_t ino, stat *attr, int to_set,
     try:
         a = _ops.setattr(ino, kw)
     except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"setattr"))
+        _rp_err(req, _err(exc, b"setattr"))
     else:
         _reply_attr(req, a)
 
@@ -511,7 +564,7 @@ cdef void h_readlink(fuse_req_t req, fuse_ino_t ino) noexcept with gil:
     try:
         target = bytes(_ops.readlink(ino))
     except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"readlink"))
+        _rp_err(req, _err(exc, b"readlink"))
     else:
         fuse_reply_readlink(req, <const char *>target)
 
@@ -554,10 +607,10 @@ cdef void h_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept wi
     try:
         fh, direct_io, keep_cache = _ops.open(ino, fi.flags, _ctx(req))
     except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"open"))
+        _rp_err(req, _err(exc, b"open"))
         return
     rz_fi_set(fi, fh, direct_io, keep_cache)
-    if fuse_reply_open(req, fi) != 0:          # the opener is gone (interrupted)
+    if _rp_open(req, fi) != 0:          # the opener is gone (interrupted)
         _ops.release(fh)
 
 
@@ -568,11 +621,11 @@ cdef void h_create(fuse_req_t req, fuse_ino_t parent, const char *name, unsigned
         fh, direct_io, keep_cache, a = _ops.create(parent, <bytes>name, mode, fi.flags,
                                                    _ctx(req))
     except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"create"))
+        _rp_err(req, _err(exc, b"create"))
         return
     rz_fi_set(fi, fh, direct_io, keep_cache)
     _fill_entry(&e, a, _ops.timeout)
-    if fuse_reply_create(req, &e, fi) != 0:
+    if _rp_create(req, &e, fi) != 0:
         _ops.release(fh)
 
 
@@ -581,7 +634,7 @@ cdef void h_read(fuse_req_t req, fuse_ino_t ino, size_t size, long off,
     try:
         data = _ops.read(fi.fh, off, size)
     except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"read"))
+        _rp_err(req, _err(exc, b"read"))
     else:
         _reply_bytes(req, data)
 
@@ -633,9 +686,9 @@ cdef void h_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, 
         if fi.flags & O_DSYNC:          # RWF_DSYNC / RWF_SYNC, or an O_DSYNC descriptor
             _ops.write_synced(fi.fh)
     except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"write"))
+        _rp_err(req, _err(exc, b"write"))
     else:
-        fuse_reply_write(req, n)
+        _rp_write(req, n)
 
 
 cdef void h_flush(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept with gil:
@@ -661,10 +714,10 @@ cdef void h_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept
     try:
         fh = _ops.opendir(ino)
     except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"opendir"))
+        _rp_err(req, _err(exc, b"opendir"))
         return
     rz_fi_set(fi, fh, 0, 0)
-    fuse_reply_open(req, fi)
+    _rp_open(req, fi)
 
 
 cdef void h_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, long off,
@@ -675,7 +728,7 @@ cdef void h_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, long off,
     cdef size_t used = 0, n
     cdef fuse_entry_param e
     if buf == NULL:
-        fuse_reply_err(req, _errno.ENOMEM)
+        _rp_err(req, _errno.ENOMEM)
         return
     try:
         try:
@@ -690,7 +743,7 @@ cdef void h_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, long off,
                 if name != b"." and name != b"..":
                     _ops.counted(a.ino)
         except BaseException as exc:
-            fuse_reply_err(req, _err(exc, b"readdir"))
+            _rp_err(req, _err(exc, b"readdir"))
         else:
             with nogil:
                 fuse_reply_buf(req, buf, used)
@@ -722,7 +775,7 @@ cdef void h_statfs(fuse_req_t req, fuse_ino_t ino) noexcept with gil:
         st.f_favail = s["ffree"]
         st.f_namemax = 255
     except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"statfs"))
+        _rp_err(req, _err(exc, b"statfs"))
         return
     fuse_reply_statfs(req, &st)
 
@@ -738,7 +791,7 @@ cdef void h_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name,
     try:
         v = bytes(_ops.getxattr(ino, <bytes>name))
     except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"getxattr"))
+        _rp_err(req, _err(exc, b"getxattr"))
     else:
         _reply_sized(req, v, size)
 
@@ -748,7 +801,7 @@ cdef void h_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) noexcept with
         names = _ops.listxattr(ino)
         v = b"".join([bytes(n) + b"\0" for n in names])
     except BaseException as exc:
-        fuse_reply_err(req, _err(exc, b"listxattr"))
+        _rp_err(req, _err(exc, b"listxattr"))
     else:
         _reply_sized(req, v, size)
 

@@ -174,6 +174,7 @@ _ZERO_PAGE = {}
 # uid/gid pairs: an id per distinct pair (id 0 is root:root), shared by every table
 _UG_IDS: dict[tuple[int, int], int] = {(0, 0): 0}
 _UG_LIST: list[tuple[int, int]] = [(0, 0)]
+_new_view = object.__new__
 
 
 def _ug_id(uid: int, gid: int) -> int:
@@ -227,17 +228,23 @@ class Attrs(NamedTuple):
 
     @staticmethod
     def of(inode: "Inode") -> "Attrs":
-        """Store.lock held."""
-        xa = inode.xattrs
+        """Store.lock held.  (Reads the row itself: every reply with attributes builds one.)"""
+        p, r = inode._p, inode._r
+        a, o = p.a, r * NCOL
+        m, size = a[o], a[o + C_SIZE]
+        mode = m & _M32
+        x = p.x.get(r)
+        xa = x.xattrs if x is not None else None
         stored = -1
-        if inode.is_reg:
+        if stat.S_ISREG(mode):
             stored = inode.extents.total
             if inode.has_buffered():         # buffered bytes over stored ones count once
                 wb = inode.wbuf
                 stored += len(wb) - sum(seg[3] for seg in inode.extents.lookup(wb.off, len(wb)))
-            stored = min(stored, inode.size)
-        return Attrs(inode.ino, inode.mode, inode.nlink, inode.uid, inode.gid, inode.rdev,
-                     inode.size, inode.atime, inode.mtime, inode.ctime,
+            stored = min(stored, size)
+        uid, gid = _UG_LIST[m >> 32]
+        return Attrs(inode.ino, mode, a[o + C_NLINK], uid, gid, x.rdev if x is not None else 0,
+                     size, a[o + C_ATIME], a[o + C_MTIME], a[o + C_CTIME],
                      bool(xa) and b"security.capability" in xa, stored)
 
 
@@ -318,15 +325,27 @@ class InodeTable(MutableMapping):
         return Inode._view(ino, self, p, r)
 
     # -- Mapping
+    # (``__getitem__`` and ``get`` do ``_row`` and ``_view`` inline: a small file's create,
+    # write, close and unlink look inodes up ~30 times)
     def __getitem__(self, ino: int) -> "Inode":
-        p, r = self._row(ino)
-        if p is None:
+        p = self.pages.get(ino >> self.bits)
+        r = ino & self.mask
+        if p is None or not p.a[r * NCOL]:
             raise KeyError(ino)
-        return Inode._view(ino, self, p, r)
+        v = _new_view(Inode)
+        v.ino, v._t, v._p, v._r = ino, self, p, r
+        return v
 
     def get(self, ino, default=None):
-        p, r = self._row(ino) if type(ino) is int else (None, 0)
-        return default if p is None else Inode._view(ino, self, p, r)
+        if type(ino) is not int:
+            return default
+        p = self.pages.get(ino >> self.bits)
+        r = ino & self.mask
+        if p is None or not p.a[r * NCOL]:
+            return default
+        v = _new_view(Inode)
+        v.ino, v._t, v._p, v._r = ino, self, p, r
+        return v
 
     def __contains__(self, ino) -> bool:
         return type(ino) is int and self._row(ino)[0] is not None

@@ -138,3 +138,30 @@ def test_readdir_index_matches_a_model(first, ops):
             assert d.entries_after(start, limit) == want[:limit], (start, limit)
     assert d.entries_after(0) == sorted(model.items(), key=lambda kv: kv[1])
     assert set(d.entries) == set(model)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFCHR, stat.S_IFIFO]),
+       st.integers(0, 0o7777), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
+       st.integers(1, 2**16), st.integers(0, 2**62), st.integers(0, 2**62),
+       st.integers(0, 2**40), st.booleans(), st.booleans())
+def test_attrs_of_reads_the_row_as_the_view_does(kind, perm, uid, gid, nlink, size, t, rdev,
+                                                 caps, other_xattr):
+    """``Attrs.of`` reads the row's columns itself (it builds every reply's attributes): the
+    same values as the view's properties, for every kind, owner, size and time."""
+    from retainzfs.namespace import Attrs
+    tab = InodeTable(3)
+    v = tab.new(9, kind | perm)
+    v.uid, v.gid, v.nlink, v.size = uid, gid, nlink, size
+    v.atime, v.mtime, v.ctime = t, t + 1, t + 2
+    if rdev:
+        v.rdev = rdev
+    if caps:
+        v.set_xattr(b"security.capability", b"\x01")
+    if other_xattr:
+        v.set_xattr(b"user.x", b"y")
+    a = Attrs.of(tab[9])
+    assert (a.ino, a.mode, a.nlink, a.uid, a.gid, a.rdev, a.size, a.atime, a.mtime,
+            a.ctime, a.caps) == (9, v.mode, v.nlink, v.uid, v.gid, v.rdev, v.size, v.atime,
+                                 v.mtime, v.ctime, caps)
+    assert a.stored == (0 if stat.S_ISREG(kind) else -1)
