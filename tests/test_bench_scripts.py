@@ -57,3 +57,13 @@ def test_bench_dcp_saves_and_loads_with_real_dcp(tmp_path):
             assert v[f"{c}_s"] > 0 and math.isfinite(v[f"{c}_ratio"]), (k, v)
     assert res["daemon_peak_rss"] > 0
     assert _mounts_under(tmp_path) == [] and os.listdir(tmp_path) == []
+
+
+def test_profile_small_files_runs_the_handlers_and_counts_calls(tmp_path):
+    """The in-process small-file profile drives fs.Operations end to end (a file left behind or
+    a handler that fails ends it) and reports a cost and a call count per file."""
+    res = _run("profile_small_files.py", "--files", "60", "--rounds", "1", "--top", "0",
+               "--workdir", str(tmp_path))
+    assert res["files"] == 60
+    assert res["cpu_us_per_file"] > 0 and res["python_calls_per_file"] > 50, res
+    assert os.listdir(tmp_path) == []
