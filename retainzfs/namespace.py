@@ -137,7 +137,7 @@ def _x_prop(name: str, default):
         return default if x is None else getattr(x, name)
 
     def set_(self, v):
-        x = self._x
+        x = self._p.x.get(self._r)
         if x is None:
             if v == default and type(v) is type(default):
                 return
@@ -152,7 +152,7 @@ def _rt_prop(name: str, default, drop_when_idle: bool = False):
         return default if r is None else getattr(r, name)
 
     def set_(self, v):
-        r = self._rt
+        r = self._p.rt.get(self._r)
         if r is None:
             if v is default or (v == default and type(v) is type(default)):
                 return
@@ -652,7 +652,7 @@ class Inode:
     @property
     def cookies(self) -> dict:
         """name -> stable readdir cookie (built on the first readdir, in insertion order)."""
-        x = self._x
+        x = self._p.x.get(self._r)
         if x is None or x.entries is None:
             return EMPTY_MAP
         if x.cookies is None:
@@ -671,7 +671,7 @@ class Inode:
         cookies = self.cookies
         if not cookies:
             return []
-        x = self._x
+        x = self._p.x.get(self._r)
         order, names = x.order, x.order_names
         i = bisect_right(order, start)
         out = []
@@ -687,11 +687,11 @@ class Inode:
 
     @property
     def next_cookie(self) -> int:
-        x = self._x
+        x = self._p.x.get(self._r)
         return 3 if x is None else x.next_cookie
 
     def link(self, name: bytes, ino: int) -> None:
-        x = self._x
+        x = self._p.x.get(self._r)
         if x is None or x.entries is None:
             raise NotADirectoryError(self.ino)
         x.entries[name] = ino
@@ -705,7 +705,7 @@ class Inode:
 
     def unlink(self, name: bytes):
         """Remove an entry; its inode number (KeyError when absent)."""
-        x = self._x
+        x = self._p.x.get(self._r)
         if x is None or x.entries is None:
             raise KeyError(name)
         ino = x.entries.pop(name)
@@ -730,7 +730,7 @@ class Inode:
 
     def extmap(self) -> ExtentMap:
         """The file's own extent map (created on first use) to add extents to."""
-        e = self._ext
+        e = self._p.ext.get(self._r)
         if e is None:
             e = self._ext = ExtentMap()
         return e
@@ -749,7 +749,7 @@ class Inode:
 
     @property
     def wbuf(self) -> WriteBuffer:
-        r = self._rt
+        r = self._p.rt.get(self._r)
         if r is None:
             r = self._rt = RunState()
         if r.wbuf is None:
@@ -768,11 +768,11 @@ class Inode:
         chmod, a roll) while a file's tail is still buffered would otherwise make a crash
         leave a size whose last bytes read as zeros — wrong bytes, not a short file (the
         fault campaign found it).  A size set by truncate past the buffer is kept."""
-        r = self._rt
+        r = self._p.rt.get(self._r)
         b = r.wbuf if r is not None else None
         if not b or b.end < self.size:
             return self.size
-        ext = self._ext
+        ext = self._p.ext.get(self._r)
         return max(b.off, ext.exts[-1].end if ext else 0)
 
     def has_buffered(self) -> bool:
@@ -792,7 +792,7 @@ class Inode:
         Without this, each file ever written kept ~1.5 KiB (an Event, a buffer, futures)
         while the kernel held its name: 100,000 files created took the daemon from 23 to
         288 MiB.  Store.lock held."""
-        r = self._rt
+        r = self._p.rt.get(self._r)
         if r is None:
             return
         if r.wbuf is not None and not r.wbuf and r.inflight == 0:
@@ -808,7 +808,7 @@ class Inode:
     def _drop_rt_if_idle(self) -> None:
         """Let go of the open-file state when nothing is left in it (a ``.retainz`` waiting
         for validation keeps it)."""
-        r = self._rt
+        r = self._p.rt.get(self._r)
         if r is not None and r.idle() and not (r.policy_dirty and self.name == H.POLICY_NAME):
             self._rt = None
 
@@ -826,7 +826,7 @@ class Inode:
 
     # -- codec glue
     def to_rec(self, tables: bool = True) -> R.InodeRec:
-        x = self._x
+        x = self._p.x.get(self._r)
         h, p = self.hint, (x.placed_hint if x is not None else None)
         r = R.InodeRec((self.ino, self.mode, self.uid, self.gid, self.nlink, self.durable_size(),
                         self.atime, self.mtime, self.ctime, x.rdev if x is not None else 0,
@@ -860,7 +860,7 @@ class Inode:
             self.name = r.name
         h = r.hint
         self.hint = None if h is None else intern_hint(h)
-        x = self._x
+        x = self._p.x.get(self._r)
         if x is None and not (rdev or r.target or r.xattrs or r.policy or r.placed is not None):
             return                        # nothing rare to keep (no side object)
         if x is None:
