@@ -10,6 +10,15 @@ and the functions that cost most::
 
     python3 scripts/profile_small_files.py                  # 2,000 files, 5 rounds
     python3 scripts/profile_small_files.py --top 30 --sort cumtime
+
+``--mount TREE ...`` compares source trees (checkouts with their extensions built; ``.``
+for this one) through real mounts instead: for each round and tree, in alternating order, a
+fresh image is mounted by a daemon running that tree's code, the same sequence runs through
+it as files (open/write/close, stat, ``rmtree``) once to warm up and once measured; it prints
+the median wall time and daemon CPU per file of each tree::
+
+    git worktree add /tmp/old 1ce0158 && (cd /tmp/old && python3 setup.py build_ext --inplace)
+    python3 scripts/profile_small_files.py --mount /tmp/old . --rounds 8
 """
 from __future__ import annotations
 
@@ -18,6 +27,9 @@ import cProfile
 import json
 import os
 import pstats
+import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +62,43 @@ def one_round(ops: Operations, n: int) -> None:
     ops.rmdir(1, b"d")
 
 
+def through_a_mount(path: str, n: int) -> None:
+    """The same sequence as files, as ``bench_io.py``'s small-file figure makes them."""
+    os.mkdir(path)
+    for i in range(n):
+        with open(os.path.join(path, f"p{i}"), "wb") as f:
+            f.write(b"x" * 100)
+    for i in range(n):
+        os.stat(os.path.join(path, f"p{i}"))
+    shutil.rmtree(path)
+
+
+def compare_trees(trees: list[str], n: int, rounds: int, workdir: str | None) -> dict:
+    """{tree: {"wall_us": [...], "cpu_us": [...]}} per file, one entry per round."""
+    from benchutil import cpu_seconds, daemon_pid
+    out: dict = {t: {"wall_us": [], "cpu_us": []} for t in trees}
+    with tempfile.TemporaryDirectory(prefix="profile_small.", dir=workdir) as work:
+        img, mnt = os.path.join(work, "img"), os.path.join(work, "mnt")
+        os.mkdir(mnt)
+        for r in range(rounds):
+            for tree in (trees if r % 2 == 0 else trees[::-1]):
+                env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+                subprocess.run(["mkfs.retainzfs", "-q", "--force", "--size", "4G", img],
+                               check=True, env=env)
+                subprocess.run(["mount.retainzfs", img, mnt], check=True, env=env)
+                try:
+                    pid = daemon_pid(img)
+                    through_a_mount(os.path.join(mnt, "d"), n)
+                    c, t = cpu_seconds(pid), time.perf_counter()
+                    through_a_mount(os.path.join(mnt, "d"), n)
+                    out[tree]["wall_us"].append((time.perf_counter() - t) * 1e6 / n)
+                    out[tree]["cpu_us"].append((cpu_seconds(pid) - c) * 1e6 / n)
+                finally:
+                    subprocess.run(["umount", mnt], check=True)
+                    time.sleep(0.5)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", type=int, default=2000)
@@ -58,7 +107,21 @@ def main() -> int:
     ap.add_argument("--sort", default="tottime", help="pstats order: tottime, cumtime, ncalls")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--mount", nargs="+", metavar="TREE",
+                    help="compare these source trees through real mounts (root)")
     a = ap.parse_args()
+    if a.mount:
+        res = compare_trees(a.mount, a.files, a.rounds, a.workdir)
+        if a.json:
+            print(json.dumps(res))
+            return 0
+        print(f"{a.files} small files through a mount, {a.rounds} alternating rounds "
+              f"(median per file; each round's in brackets):")
+        for tree, v in res.items():
+            print(f"  {tree}: wall {statistics.median(v['wall_us']):.0f} us, daemon CPU "
+                  f"{statistics.median(v['cpu_us']):.0f} us  "
+                  f"[{' '.join(f'{w:.0f}' for w in v['wall_us'])}]")
+        return 0
     with tempfile.TemporaryDirectory(prefix="profile_small.", dir=a.workdir) as work:
         dev = create_image(os.path.join(work, "img"), 1 << 30, 4 << 20)
         Store.format(dev)

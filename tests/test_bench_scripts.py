@@ -67,3 +67,14 @@ def test_profile_small_files_runs_the_handlers_and_counts_calls(tmp_path):
     assert res["files"] == 60
     assert res["cpu_us_per_file"] > 0 and res["python_calls_per_file"] > 50, res
     assert os.listdir(tmp_path) == []
+
+
+def test_profile_small_files_compares_trees_through_real_mounts(tmp_path):
+    """``--mount``: the daemon of each tree mounts a fresh image, the files go through it,
+    each tree gets a time and a daemon CPU per file per round, nothing stays mounted."""
+    res = _run("profile_small_files.py", "--mount", str(REPO), ".", "--files", "40",
+               "--rounds", "2", "--workdir", str(tmp_path))
+    assert set(res) == {str(REPO), "."}
+    for v in res.values():
+        assert len(v["wall_us"]) == 2 and min(v["wall_us"]) > 0 and min(v["cpu_us"]) > 0, v
+    assert _mounts_under(tmp_path) == [] and os.listdir(tmp_path) == []
