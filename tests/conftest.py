@@ -113,8 +113,8 @@ def _alive(pid: int) -> bool:
 
 
 def missing(why: str):
-    """A prerequisite that setup installs is missing: skip for a developer, fail under
-    ``CI=true`` (where every test must run)."""
+    """A prerequisite (a tool setup installs, root, a cgroup, LazyFS) is missing: skip for a
+    developer, fail under ``CI=true`` (where every test must run)."""
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"{why} (CI=true: this test must run; scripts/setup.sh installs it)")
     pytest.skip(why)
@@ -268,9 +268,7 @@ def _make_cgroup(controller: str, name: str, knob_v1: str, knob_v2: str,
         return d
     except OSError as e:
         why = f"cannot make a {controller} cgroup: {e}"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"{why} (CI=true: this test must run)")
-    pytest.skip(why)
+    missing(why)
 
 
 @pytest.fixture
@@ -300,9 +298,7 @@ def tmpfs(path, size: str):
     """A tmpfs of ``size`` mounted at ``path`` (created) for the block: a host file system
     that fills.  Needs root: skipped without it, failed under CI=true."""
     if os.geteuid() != 0:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("a tmpfs mount needs root (CI=true: this test must run)")
-        pytest.skip("a tmpfs mount needs root")
+        missing("a tmpfs mount needs root")
     path = pathlib.Path(path)
     path.mkdir()
     run("mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path)
@@ -322,9 +318,7 @@ def lazyfs_target(wdir, pc_size: str = "2G"):
     repo = pathlib.Path(__file__).resolve().parents[1]
     suites = repo.parent / "shared" / "suites"
     if os.geteuid() != 0 or not (suites / "lazyfs.sh").exists():
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"needs root and LazyFS at {suites} (CI=true: the power cut must run)")
-        pytest.skip(f"needs root and LazyFS (third-party suites) at {suites}")
+        missing(f"needs root and LazyFS (third-party suites) at {suites}")
     sys.path.insert(0, str(repo / "scripts"))
     import fault_campaign as fc
     args = argparse.Namespace(
