@@ -48,6 +48,15 @@ class RecordApplier:
         if rtype == R.INODE_DEL_B:
             inode = s.inodes.pop(R.unpack_ino(payload), None)
             return inode.extents.clear() if inode is not None else []
+        if rtype == R.XATTR_B:
+            ino, t, name, value = R.unpack_xattr(payload)
+            inode = s.inodes[ino]
+            if value is not None:
+                inode.set_xattr(name, value)
+            elif name in inode.xattrs:
+                inode.del_xattr(name)
+            inode.ctime = t
+            return None
         if rtype == R.EXTENT:
             ino, off, zone, zgen, zoff, length, hint = R.unpack_extent(payload)
             if zgen != s.zgen[zone]:

@@ -84,14 +84,28 @@ def intern_hint(h) -> H.Hint | None:
     return got
 
 
+def _xattr_sums(xattrs) -> tuple[int, int]:
+    """``Extra.xattr_bytes`` and ``xattr_list`` of ``xattrs``."""
+    if not xattrs:
+        return 0, 0
+    return (sum(len(k) + len(v) for k, v in xattrs.items()),
+            sum(len(k) + 1 for k in xattrs))
+
+
 class Extra:
-    __slots__ = ("rdev", "target", "xattrs", "policy_src", "placed_hint", "entries", "cookies",
-                 "next_cookie", "order", "order_names", "order_dead")
+    __slots__ = ("rdev", "target", "xattrs", "xattr_bytes", "xattr_list", "policy_src",
+                 "placed_hint", "entries", "cookies", "next_cookie", "order", "order_names",
+                 "order_dead")
 
     def __init__(self):
         self.rdev = 0
         self.target = b""
         self.xattrs = None
+        #: bytes of the names + values of ``xattrs``, and of listxattr's list of the names
+        #: (each NUL-terminated), kept with every change: setxattr's limit checks summed
+        #: them, O(n) a set (``xattrops.XATTR_TOTAL_MAX``, ``XATTR_LIST_MAX``)
+        self.xattr_bytes = 0
+        self.xattr_list = 0
         self.policy_src = b""
         self.placed_hint = None
         self.entries = None
@@ -627,21 +641,37 @@ class Inode:
         if self._x is None:
             self._x = Extra()
         self._x.xattrs = dict(d) if d else None
+        self._x.xattr_bytes, self._x.xattr_list = _xattr_sums(d)
+
+    @property
+    def xattr_sums(self) -> tuple[int, int]:
+        """(bytes of the names and values of ``xattrs``, bytes of listxattr's name list)."""
+        x = self._p.x.get(self._r)
+        return (0, 0) if x is None else (x.xattr_bytes, x.xattr_list)
 
     def set_xattr(self, name: bytes, value: bytes) -> None:
-        if self._x is None:
-            self._x = Extra()
-        if self._x.xattrs is None:
-            self._x.xattrs = {}
-        self._x.xattrs[name] = value
+        x = self._x
+        if x is None:
+            x = self._x = Extra()
+        if x.xattrs is None:
+            x.xattrs = {}
+        old = x.xattrs.get(name)
+        if old is None:
+            x.xattr_bytes += len(name) + len(value)
+            x.xattr_list += len(name) + 1
+        else:
+            x.xattr_bytes += len(value) - len(old)
+        x.xattrs[name] = value
 
     def del_xattr(self, name: bytes) -> None:
         xs = self.xattrs
         if name not in xs:
             raise KeyError(name)
-        del self._x.xattrs[name]
-        if not self._x.xattrs:
-            self._x.xattrs = None
+        x = self._x
+        x.xattr_bytes -= len(name) + len(x.xattrs.pop(name))
+        x.xattr_list -= len(name) + 1
+        if not x.xattrs:
+            x.xattrs = None
 
     # -- directories
     @property
@@ -868,6 +898,7 @@ class Inode:
         x.rdev = rdev
         x.target = r.target
         x.xattrs = dict(r.xattrs) if r.xattrs else None
+        x.xattr_bytes, x.xattr_list = _xattr_sums(x.xattrs)
         x.policy_src = r.policy
         x.placed_hint = intern_hint(r.placed)
 

@@ -163,7 +163,12 @@ def unpack_snapshot(blob: bytes) -> dict:
 INODE_B = 15
 DIRENT_B = 16
 INODE_DEL_B = 17
-NAMES.update({INODE_B: "inode_b", DIRENT_B: "dirent_b", INODE_DEL_B: "inode_del_b"})
+#: one xattr set or removed, with the inode's new ctime (feature ``xattr_records``): the
+#: INODE_B record carries every xattr of the inode, so n sets on one file journaled (and
+#: applied) O(n^2) bytes -- 6 ms a set at 4,096 names, stress-ng's ``--xattr`` made no progress
+XATTR_B = 18
+NAMES.update({INODE_B: "inode_b", DIRENT_B: "dirent_b", INODE_DEL_B: "inode_del_b",
+              XATTR_B: "xattr_b"})
 
 SNAP_MAGIC = b"RZS2"
 F_TARGET, F_XATTRS, F_HINT, F_PLACED, F_POLICY, F_EXTENTS, F_DIRENTS = 1, 2, 4, 8, 16, 32, 64
@@ -177,6 +182,8 @@ _U64 = struct.Struct("<Q")
 _HINT = struct.Struct("<qdqB")
 _EXT = struct.Struct("<QQIQd")
 _DIRENT_B = struct.Struct("<QQqB")        # parent, ino, time, len(name); then the name
+_XATTR_B = struct.Struct("<QqBBI")        # ino, ctime, op, len(name), len(value); name, value
+XATTR_SET, XATTR_REMOVE = 0, 1
 _SNAPHDR = struct.Struct("<Qq")
 _II = struct.Struct("<II")
 _RUN = struct.Struct("<QQ")
@@ -372,6 +379,31 @@ def unpack_dirent(payload) -> tuple[int, int, int, bytes]:
     if len(name) != n:
         raise ValueError("dirent record: name length does not match")
     return p, i, t, name
+
+
+def pack_xattr(ino: int, ctime: int, name: bytes, value: bytes | None) -> bytes:
+    """An XATTR_B record: ``name`` set to ``value``, or removed (``value`` None)."""
+    if not 0 < len(name) <= 255:
+        raise ValueError("xattr record: a name of 1-255 bytes")
+    if value is None:
+        return _XATTR_B.pack(ino, ctime, XATTR_REMOVE, len(name), 0) + name
+    return _XATTR_B.pack(ino, ctime, XATTR_SET, len(name), len(value)) + name + value
+
+
+def unpack_xattr(payload) -> tuple[int, int, bytes, bytes | None]:
+    """(ino, ctime, name, value or None: removed) of an XATTR_B record; ValueError if the
+    lengths do not match the payload, the op is unknown or a removal carries a value."""
+    if len(payload) < _XATTR_B.size:
+        raise ValueError("xattr record shorter than its header")
+    ino, t, op, n, v = _XATTR_B.unpack_from(payload)
+    if op not in (XATTR_SET, XATTR_REMOVE) or n == 0 or (op == XATTR_REMOVE and v):
+        raise ValueError("xattr record: bad op, empty name or a value on a removal")
+    if len(payload) != _XATTR_B.size + n + v:
+        raise ValueError("xattr record: lengths do not match")
+    name = bytes(payload[_XATTR_B.size:_XATTR_B.size + n])
+    if op == XATTR_REMOVE:
+        return ino, t, name, None
+    return ino, t, name, bytes(payload[_XATTR_B.size + n:])
 
 
 def pack_ino(ino: int) -> bytes:

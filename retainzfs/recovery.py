@@ -51,6 +51,8 @@ def touched_inodes(rtype: int, payload) -> tuple[int, ...]:
         return (p, i)
     if rtype == R.INODE_DEL_B:
         return (R.unpack_ino(payload),)
+    if rtype == R.XATTR_B:
+        return (R.unpack_xattr(payload)[0],)
     if rtype == R.EXTENT:
         return (R.unpack_extent(payload)[0],)
     if rtype == R.TRUNCATE:

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 MAGIC = "retainzfs"
 FORMAT_VERSION = 2
 #: what this version writes and requires; an image naming a feature not listed is refused
-FEATURES = ("dup_meta", "batch_seq", "data_crc32c", "zone_gen", "snapshot_zlib", "flush_marks")
+FEATURES = ("dup_meta", "batch_seq", "data_crc32c", "zone_gen", "snapshot_zlib", "flush_marks",
+            "xattr_records")
 
 
 class FormatError(Exception):

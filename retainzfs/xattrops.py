@@ -13,18 +13,22 @@ from time import time_ns as now_ns
 
 from . import acl
 from . import hints as H
+from . import records as R
 from .errors import FsError
 from .namespace import ROOT_INO
 
 log = logging.getLogger("retainzfs")
 
 #: names and values of one inode's xattrs together: ENOSPC past it, as ext4 when they do not
-#: fit.  The inode's journal record carries them all at each change: 1,023 values of 64 KiB
-#: made it too large to journal (an internal error), and each set before that rewrote tens
-#: of MiB (0.25 s a call).
+#: fit.  A snapshot's inode entry carries them all (and the INODE_B record did at each change
+#: before ``xattr_records``: 1,023 values of 64 KiB made it too large to journal).
 XATTR_TOTAL_MAX = 1 << 20
 #: and their number: the journal's inode entry counts them in a u16
 XATTR_COUNT_MAX = 0xFFFF
+#: listxattr's list of a file's names (each NUL-terminated) must fit the kernel's
+#: XATTR_LIST_MAX, or every listxattr of the file fails with E2BIG and ``cp -a``,
+#: ``rsync -X`` and ``tar --xattrs`` cannot copy it: a new name past it is ENOSPC
+XATTR_LIST_MAX = 65536
 # POSIX ACLs (``acl.NAMES``): kept only while the kernel enforces them (FUSE_POSIX_ACL,
 # ``Store.acls``).  Without it the kernel checks access by the mode bits alone and hands
 # these over as plain xattrs: stored, ``setfacl`` succeeded and ``getfacl`` showed an ACL
@@ -68,20 +72,24 @@ class XattrOps:
                     log.warning("setxattr %s on inode %d refused: %s", name.decode(), ino, e)
                     raise FsError(errno.EINVAL, str(e)) from None
             self._check_fits_locked(inode, name, value)
-            inode.set_xattr(name, bytes(value))
-            inode.ctime = now_ns()
-            self.s.ns.save_inode_locked(inode)
+            self._save_locked(inode, name, bytes(value))
 
     @staticmethod
     def _check_fits_locked(inode, name: bytes, value: bytes) -> None:
         """ERANGE past the kernel's bounds for one xattr; ENOSPC past one inode's."""
         if len(name) > 255 or len(value) > 65536:
             raise FsError(errno.ERANGE)
-        total = sum(len(k) + len(v) for k, v in inode.xattrs.items() if k != name)
-        if (total + len(name) + len(value) > XATTR_TOTAL_MAX
-                or (name not in inode.xattrs and len(inode.xattrs) >= XATTR_COUNT_MAX)):
+        old = inode.xattrs.get(name)
+        total, listed = inode.xattr_sums          # kept with each change: O(1) a set
+        if old is None:
+            new = (len(inode.xattrs) >= XATTR_COUNT_MAX
+                   or listed + len(name) + 1 > XATTR_LIST_MAX)
+        else:
+            new, total = False, total - len(name) - len(old)
+        if new or total + len(name) + len(value) > XATTR_TOTAL_MAX:
             raise FsError(errno.ENOSPC, f"xattrs of one file are limited to "
-                                        f"{XATTR_TOTAL_MAX} bytes, {XATTR_COUNT_MAX} names")
+                                        f"{XATTR_TOTAL_MAX} bytes, {XATTR_COUNT_MAX} names "
+                                        f"and a name list of {XATTR_LIST_MAX} bytes")
 
     def _set_acl(self, ino: int, name: bytes, value: bytes, create: bool,
                  replace: bool) -> None:
@@ -154,6 +162,20 @@ class XattrOps:
             inode = self.s.ns.get_locked(ino)
             if name not in inode.xattrs:
                 raise FsError(errno.ENODATA)
+            self._save_locked(inode, name, None)
+
+    def _save_locked(self, inode, name: bytes, value: bytes | None) -> None:
+        """Set (``value`` None: remove) one xattr and the ctime, journalled.  On an image with
+        the feature ``xattr_records``: one XATTR_B record of this xattr alone.  Else (an image
+        of an older version, which that version must still mount) the whole inode: INODE_B
+        carries every xattr, O(n) bytes per change."""
+        s = self.s
+        if "xattr_records" in s.sb.features:
+            s.do_locked(R.XATTR_B, R.pack_xattr(inode.ino, now_ns(), name, value))
+            return
+        if value is None:
             inode.del_xattr(name)
-            inode.ctime = now_ns()
-            self.s.ns.save_inode_locked(inode)
+        else:
+            inode.set_xattr(name, value)
+        inode.ctime = now_ns()
+        s.ns.save_inode_locked(inode)

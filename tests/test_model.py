@@ -61,8 +61,8 @@ class _Base(RuleBasedStateMachine):
         self.seed = 0
 
     # Each backend subclass (StoreMachine, MountMachine) provides the operations the rules
-    # call: b_write(name, pieces, fsync), b_truncate, b_rename, b_unlink, b_setxattr, b_read,
-    # b_list, b_xattrs, b_remount.
+    # call: b_write(name, pieces, fsync), b_truncate, b_rename, b_unlink, b_setxattr,
+    # b_removexattr, b_read, b_list, b_xattrs, b_remount.
 
     # --- rules ---------------------------------------------------------------------------
     @rule(name=NAMES, off=OFFS, n=SIZES, fsync=st.booleans(), many=st.integers(1, 40))
@@ -135,6 +135,15 @@ class _Base(RuleBasedStateMachine):
         v = _data(self.seed, n)
         self.b_setxattr(name, key, v)
         self.xattrs[name][key] = v
+
+    @precondition(lambda self: any(self.xattrs.values()))
+    @rule(data=st.data())
+    def removexattr(self, data):
+        """One xattr removed (an XATTR_B record of its own; replayed at the next remount)."""
+        name = data.draw(st.sampled_from(sorted(n for n, x in self.xattrs.items() if x)))
+        key = data.draw(st.sampled_from(sorted(self.xattrs[name])))
+        self.b_removexattr(name, key)
+        del self.xattrs[name][key]
 
     @precondition(lambda self: self.files and self.ACLS)
     @rule(data=st.data(), u=st.integers(0, 7), g=st.integers(0, 7), o=st.integers(0, 7),
@@ -249,6 +258,9 @@ class StoreMachine(_Base):
 
     def b_setxattr(self, name, key, value):
         self.store.setxattr(self._ino(name), key.encode(), value)
+
+    def b_removexattr(self, name, key):
+        self.store.removexattr(self._ino(name), key.encode())
 
     def b_read(self, name):
         ino = self._ino(name)
@@ -513,6 +525,9 @@ class MountMachine(_Base):
 
     def b_setxattr(self, name, key, value):
         xattr.setxattr(self.p(name), key, value)
+
+    def b_removexattr(self, name, key):
+        xattr.removexattr(self.p(name), key)
 
     def b_read(self, name):
         with open(self.p(name), "rb") as f:

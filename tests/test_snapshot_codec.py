@@ -313,3 +313,43 @@ def test_a_snapshot_packed_from_the_rows_is_the_same_bytes(rows, bits):
     fast = [e if type(e) is bytes else R.pack_inode(e) for e in snapshot_entries(t)]
     slow = [R.pack_inode(v.to_rec()) for v in t.values()]
     assert fast == slow
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**64 - 1), i64, name,
+       st.none() | st.binary(max_size=8) | st.integers(65530, 65536).map(bytes))
+@example(1, 0, b"u", b"")
+@example(2**64 - 1, -1, b"n" * 255, bytes(65536))
+def test_xattr_record_roundtrip_and_every_cut_or_extension_refused(ino, t, key, value):
+    """XATTR_B (one xattr set, or removed: None) round-trips for names of 1-255 bytes and
+    values of 0-65,536 (XATTR_SIZE_MAX); a payload cut anywhere, or with a byte more, is
+    refused (ValueError), never read as another xattr."""
+    p = R.pack_xattr(ino, t, key, value)
+    assert R.unpack_xattr(p) == (ino, t, key, value)
+    assert R.unpack_xattr(memoryview(p)) == (ino, t, key, value)
+    for cut in sorted({0, 1, R._XATTR_B.size - 1, R._XATTR_B.size, len(p) - 1}):
+        if cut < len(p):
+            with pytest.raises(ValueError):
+                R.unpack_xattr(p[:cut])
+    with pytest.raises(ValueError):
+        R.unpack_xattr(p + b"\0")
+
+
+def test_xattr_record_refuses_what_no_store_writes():
+    """An empty or 256-byte name cannot be packed; an unknown op, an empty name or a removal
+    carrying a value cannot be unpacked."""
+    for bad in (b"", b"n" * 256):
+        with pytest.raises(ValueError):
+            R.pack_xattr(1, 0, bad, b"v")
+    good = bytearray(R.pack_xattr(1, 0, b"user.a", b"v"))
+    op = R._XATTR_B.size - 6                     # the op byte: after ino (8) and ctime (8)
+    assert op == 16
+    for at, byte in ((op, 2), (op + 1, 0)):
+        bad = bytearray(good)
+        bad[at] = byte
+        with pytest.raises(ValueError):
+            R.unpack_xattr(bytes(bad))
+    removal = bytearray(R.pack_xattr(1, 0, b"user.a", None)) + b"v"
+    removal[R._XATTR_B.size - 4] = 1             # value length 1 on a removal
+    with pytest.raises(ValueError):
+        R.unpack_xattr(bytes(removal))
