@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import missing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -332,11 +333,9 @@ QEMU_CONFIGS = {
 @pytest.mark.qemu
 @pytest.mark.parametrize("config", list(QEMU_CONFIGS))
 def test_bench_block_qemu(config):
-    missing = _missing_prereqs()
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail("QEMU ZNS prerequisites missing in CI: " + missing)
-        pytest.skip("QEMU ZNS prerequisites missing: " + missing)
+    lacking = _missing_prereqs()
+    if lacking:
+        missing("QEMU ZNS prerequisites missing: " + lacking)
     cmd = [sys.executable, str(BENCH), "--qemu", "--size", "24", "--ns-size", "64M",
            "--rounds", "1", "--timeout", "900", *QEMU_CONFIGS[config]]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=960)
