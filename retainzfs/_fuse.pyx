@@ -455,8 +455,11 @@ cdef int _reply_bytes(fuse_req_t req, object data):
 cdef int _reply_sized(fuse_req_t req, object data, size_t size):
     """getxattr/listxattr: the length when probed with size 0, ERANGE when it does not fit."""
     cdef size_t n = len(data)
+    cdef int ret
     if size == 0:
-        return fuse_reply_xattr(req, n)
+        with nogil:
+            ret = fuse_reply_xattr(req, n)
+        return ret
     if n > size:
         return _rp_err(req, _errno.ERANGE)
     return _reply_bytes(req, data)
@@ -569,12 +572,15 @@ cdef void h_setattr(fuse_req_t req, fuse_ino_t ino, stat *attr, int to_set,
 
 cdef void h_readlink(fuse_req_t req, fuse_ino_t ino) noexcept with gil:
     cdef bytes target
+    cdef const char *t
     try:
         target = bytes(_ops.readlink(ino))
     except BaseException as exc:
         _rp_err(req, _err(exc, b"readlink"))
     else:
-        fuse_reply_readlink(req, <const char *>target)
+        t = target                    # (``target`` keeps the bytes alive over the reply)
+        with nogil:
+            fuse_reply_readlink(req, t)
 
 
 cdef void h_mknod(fuse_req_t req, fuse_ino_t parent, const char *name, unsigned int mode,
@@ -785,7 +791,8 @@ cdef void h_statfs(fuse_req_t req, fuse_ino_t ino) noexcept with gil:
     except BaseException as exc:
         _rp_err(req, _err(exc, b"statfs"))
         return
-    fuse_reply_statfs(req, &st)
+    with nogil:
+        fuse_reply_statfs(req, &st)
 
 
 cdef void h_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name, const char *value,
