@@ -8,7 +8,8 @@ What one iteration does
   1. starts a *writer* subprocess (this file, ``_writer``) on the mount.  It saves checkpoint
      generations like a training job: ``run/step-N/`` with 2-5 ``shard-i.distcp`` files of
      random sizes (2 KiB .. --max-file, log-uniform) and a small ``.metadata`` written last,
-     each written in mixed chunk sizes then fsync'd, the directory fsync'd; ``latest.txt``
+     each written in mixed chunk sizes, given xattrs (``user.campaign`` set twice, another set
+     and removed), then fsync'd, the directory fsync'd; ``latest.txt``
      written to ``.latest.txt.G.tmp``, fsync'd and renamed over, root dir fsync'd; ``rmtree`` of
      generations older than the newest 3 followed by an fsync of ``run/`` (plus unlink of old
      session logs); and a session log ``run/logs/session-K.log`` appended one 64-byte line per
@@ -34,6 +35,8 @@ event, written + fsync'd *after* the operation it describes returned:
 Verification after each remount
   * every acknowledged file present, byte-identical (sha256; latest.txt may also be a pending
     rename's contents); files of a deletion in progress may be absent, but if present intact;
+  * every acknowledged checkpoint file has exactly its xattrs (``user.campaign`` with its last
+    value, not the removed one); an unacknowledged one ``user.campaign`` with either value or none;
   * every session log at least as long as acknowledged, and *all* its bytes (acknowledged or
     not) the expected lines: no garbage, no zeros;
   * no path whose deletion was durable exists;
@@ -105,6 +108,16 @@ def gen_files(seed: int, g: int, max_file: int) -> list[tuple[str, int]]:
 
 def file_bytes(seed: int, g: int, name: str, size: int) -> bytes:
     return random.Random(f"{seed}/data/{g}/{name}").randbytes(size)
+
+
+#: every checkpoint file carries this xattr (set twice, the second value kept, and another
+#: set and removed, before its fsync): after a crash an acknowledged file has exactly it, an
+#: unacknowledged one it or nothing (XATTR_B records replayed with the file's)
+XATTR, XATTR_TMP = "user.campaign", "user.campaign-tmp"
+
+
+def xattr_value(seed: int, g: int, name: str) -> bytes:
+    return f"{seed}/{g}/{name}".encode()
 
 
 def latest_bytes(g: int) -> bytes:
@@ -244,6 +257,10 @@ def writer_main(argv: list[str]) -> int:
             data = file_bytes(seed, g, name, size)
             fd = os.open(os.path.join(d, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             write_all(fd, data, rng, lambda: slog.lines(rng.randint(1, 3)))
+            os.setxattr(fd, XATTR, b"first")
+            os.setxattr(fd, XATTR_TMP, bytes(rng.randint(0, 300)))
+            os.setxattr(fd, XATTR, xattr_value(seed, g, name))
+            os.removexattr(fd, XATTR_TMP)
             os.fsync(fd)
             os.close(fd)
             jr.rec("F", f"run/{step}/{name}", size, sha(data))
@@ -387,6 +404,11 @@ def verify(mnt: str, jpath: str, seed: int, max_file: int, counts: dict,
                 problems.append(f"acknowledged file {rel} ({size} B) is missing")
             continue
         data = read(rel)
+        if (m := re.fullmatch(r"run/step-(\d+)/(.+)", rel)):
+            xs = {n: os.getxattr(path, n) for n in os.listxattr(path)}
+            want = {XATTR: xattr_value(seed, int(m.group(1)) // CADENCE, m.group(2))}
+            if xs != want:
+                problems.append(f"acknowledged file {rel}: xattrs {xs}, expected {want}")
         ok = {(size, digest)} | set(e.alts.get(rel, []))
         if (len(data), sha(data)) not in ok:
             problems.append(f"acknowledged file {rel}: {len(data)} B sha {sha(data)[:16]}, expected "
@@ -459,6 +481,10 @@ def verify(mnt: str, jpath: str, seed: int, max_file: int, counts: dict,
                 sizes = dict(gen_files(seed, g, max_file))
                 if m.group(2) in sizes:
                     want = file_bytes(seed, g, m.group(2), sizes[m.group(2)])
+                    xv = os.getxattr(os.path.join(mnt, rel), XATTR) \
+                        if XATTR in os.listxattr(os.path.join(mnt, rel)) else None
+                    if xv not in (None, b"first", xattr_value(seed, g, m.group(2))):
+                        problems.append(f"unacknowledged file {rel}: xattr {XATTR} = {xv!r}")
             if want is None:
                 problems.append(f"unexpected file {rel} ({st.st_size} B)")
                 continue
