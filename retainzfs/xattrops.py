@@ -81,12 +81,12 @@ class XattrOps:
             raise FsError(errno.ERANGE)
         old = inode.xattrs.get(name)
         total, listed = inode.xattr_sums          # kept with each change: O(1) a set
-        if old is None:
-            new = (len(inode.xattrs) >= XATTR_COUNT_MAX
-                   or listed + len(name) + 1 > XATTR_LIST_MAX)
-        else:
-            new, total = False, total - len(name) - len(old)
-        if new or total + len(name) + len(value) > XATTR_TOTAL_MAX:
+        if old is None:                           # a new name: room for one more in the list?
+            no_room = (len(inode.xattrs) >= XATTR_COUNT_MAX
+                       or listed + len(name) + 1 > XATTR_LIST_MAX)
+        else:                                     # a replace: the old value's bytes come back
+            no_room, total = False, total - len(name) - len(old)
+        if no_room or total + len(name) + len(value) > XATTR_TOTAL_MAX:
             raise FsError(errno.ENOSPC, f"xattrs of one file are limited to "
                                         f"{XATTR_TOTAL_MAX} bytes, {XATTR_COUNT_MAX} names "
                                         f"and a name list of {XATTR_LIST_MAX} bytes")

@@ -120,6 +120,10 @@ def xattr_value(seed: int, g: int, name: str) -> bytes:
     return f"{seed}/{g}/{name}".encode()
 
 
+def xattrs_of(path: str) -> dict[str, bytes]:
+    return {n: os.getxattr(path, n) for n in os.listxattr(path)}
+
+
 def latest_bytes(g: int) -> bytes:
     return f"step-{g * CADENCE}\n".encode()
 
@@ -405,7 +409,7 @@ def verify(mnt: str, jpath: str, seed: int, max_file: int, counts: dict,
             continue
         data = read(rel)
         if (m := re.fullmatch(r"run/step-(\d+)/(.+)", rel)):
-            xs = {n: os.getxattr(path, n) for n in os.listxattr(path)}
+            xs = xattrs_of(path)
             want = {XATTR: xattr_value(seed, int(m.group(1)) // CADENCE, m.group(2))}
             if xs != want:
                 problems.append(f"acknowledged file {rel}: xattrs {xs}, expected {want}")
@@ -481,8 +485,7 @@ def verify(mnt: str, jpath: str, seed: int, max_file: int, counts: dict,
                 sizes = dict(gen_files(seed, g, max_file))
                 if m.group(2) in sizes:
                     want = file_bytes(seed, g, m.group(2), sizes[m.group(2)])
-                    xv = os.getxattr(os.path.join(mnt, rel), XATTR) \
-                        if XATTR in os.listxattr(os.path.join(mnt, rel)) else None
+                    xv = xattrs_of(os.path.join(mnt, rel)).get(XATTR)
                     if xv not in (None, b"first", xattr_value(seed, g, m.group(2))):
                         problems.append(f"unacknowledged file {rel}: xattr {XATTR} = {xv!r}")
             if want is None:
