@@ -772,3 +772,34 @@ def test_descriptors_and_mappings_see_every_change_without_auto_inval(mounted):
     finally:
         m.close()
         os.close(a)
+
+
+def test_touch_sets_now_by_the_clock_every_other_time_comes_from(mounted):
+    """CPython's test_pathlib (test_touch_common): `touch` of a file just made set an mtime
+    *before* its creation. The kernel sends UTIME_NOW as MTIME_NOW together with MTIME and
+    its own coarse clock's time, a jiffy behind; the binding took that time instead of its
+    own clock's. Each of atime and mtime, and both, for files made a moment before, and
+    across a remount."""
+    d = mounted.path / "touch"
+    d.mkdir()
+    made = {}
+    for i in range(30):
+        for flag in ("-a", "-m", None):
+            p = d / f"f{i}{flag or ''}"
+            p.touch()
+            st = p.stat()
+            os.utime(p, ns=(st.st_atime_ns - 10**10, st.st_mtime_ns - 10**10))
+            run("touch", *([flag] if flag else []), str(p))
+            after = p.stat()
+            if flag != "-m":
+                assert after.st_atime_ns >= st.st_atime_ns, (p.name, after.st_atime_ns - st.st_atime_ns)
+            else:
+                assert after.st_atime_ns == st.st_atime_ns - 10**10
+            if flag != "-a":
+                assert after.st_mtime_ns >= st.st_mtime_ns, (p.name, after.st_mtime_ns - st.st_mtime_ns)
+            else:
+                assert after.st_mtime_ns == st.st_mtime_ns - 10**10
+            assert after.st_ctime_ns >= after.st_mtime_ns and after.st_ctime_ns >= st.st_ctime_ns
+            made[p.name] = (after.st_atime_ns, after.st_mtime_ns)
+    mounted.remount()
+    assert {p.name: (p.stat().st_atime_ns, p.stat().st_mtime_ns) for p in d.iterdir()} == made
