@@ -13,6 +13,11 @@ for pkg in fuse3 libfuse3-dev pkg-config attr util-linux fio btrfs-progs xfsprog
 done
 # another apt/dpkg (unattended-upgrades on a fresh machine) may hold the lock: wait for it
 APT=(apt-get -o DPkg::Lock::Timeout=900 -o Acquire::Retries=3)
+# CPython's own test package (tests/test_suites.py runs its file tests on a mount): part of a
+# python.org/pyenv build; Debian's python3 splits it into libpython3.X-testsuite
+if ! $PY -c 'import test.support' >/dev/null 2>&1; then
+    need_apt+=("libpython$($PY -c 'import sys; print("%d.%d" % sys.version_info[:2])')-testsuite")
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
     "${APT[@]}" update -qq
     "${APT[@]}" install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
