@@ -111,14 +111,20 @@ class RecordApplier:
             d = R.unpack_json(payload)
             op, np_ = s.inodes[d["op"]], s.inodes[d["np"]]
             on, nn = d["on"].encode("latin-1"), d["nn"].encode("latin-1")
+            if d.get("x") and nn not in np_.entries:
+                raise FsError(errno.EIO, "exchange record names no second entry")
             ino = op.unlink(on)
-            if nn in np_.entries:
-                np_.unlink(nn)
+            other = np_.unlink(nn) if nn in np_.entries else None
             np_.link(nn, ino)
             child = s.inodes[ino]
             child.parent, child.name = np_.ino, nn
             op.mtime = op.ctime = np_.mtime = np_.ctime = d["t"]
             child.ctime = d["t"]
+            if d.get("x"):                 # RENAME_EXCHANGE: the other takes the first name
+                op.link(on, other)
+                o = s.inodes[other]
+                o.parent, o.name = op.ino, on
+                o.ctime = d["t"]
             return None
         if rtype == R.INODE_DEL:
             ino = R.unpack_json(payload)["i"]

@@ -26,7 +26,10 @@ from .namespace import ROOT_INO, Attrs, Inode
 log = logging.getLogger("retainzfs")
 
 NAME_MAX = 255
-RENAME_NOREPLACE = 1
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+#: the superblock feature under which a RENAME record may swap two names ("x"): an image made
+#: before it, which an older version may still mount, answers RENAME_EXCHANGE with EINVAL
+EXCHANGE_FEATURE = "rename_exchange"
 
 
 def fmt_hint(h: float):
@@ -325,8 +328,10 @@ class NamespaceOps:
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
                flags: int = 0) -> None:
         s = self.s
-        if flags & ~RENAME_NOREPLACE:     # EXCHANGE, WHITEOUT (overlayfs): not done here; a
-            raise FsError(errno.EINVAL)   # WHITEOUT was a plain rename (no whiteout left)
+        if flags == RENAME_EXCHANGE and EXCHANGE_FEATURE in s.sb.features:
+            return exchange(self, old_parent, old_name, new_parent, new_name)
+        if flags & ~RENAME_NOREPLACE:     # WHITEOUT (overlayfs): not done here; a WHITEOUT
+            raise FsError(errno.EINVAL)   # was a plain rename (no whiteout left)
         if not flags & RENAME_NOREPLACE:
             self._durable_before_replace(old_parent, old_name, new_parent, new_name)
         with s.lock:
@@ -570,3 +575,60 @@ class StoreHints:
                          fmt_hint(f.placed_hint.reclaim))
             f.hint = new
             s.ns.save_inode_locked(f)
+
+
+def _below_locked(s, d: Inode, top: Inode) -> bool:
+    """``d`` is ``top`` or inside it (Store.lock held)."""
+    while True:
+        if d.ino == top.ino:
+            return True
+        if d.ino == ROOT_INO or not d.parent:
+            return False
+        d = s.inodes[d.parent]
+
+
+def exchange(ns: NamespaceOps, pa: int, a: bytes, pb: int, b: bytes) -> None:
+    """renameat2(RENAME_EXCHANGE): the two names swap their inodes, in one RENAME record
+    (``"x": 1``), so a crash leaves them swapped or not.  Both must exist; a directory may
+    not end up inside itself; a file arriving at a ``.retainz`` name must hold a valid
+    policy (EINVAL, nothing swapped), and the policies of both directories are read again."""
+    s = ns.s
+    with s.lock:
+        da, db = ns.dir_locked(pa), ns.dir_locked(pb)
+        for n in (a, b):
+            ns.check_name(n)
+        ia, ib = da.entries.get(a), db.entries.get(b)
+        if ia is None or ib is None:
+            raise FsError(errno.ENOENT)
+        if ia == ib:
+            return                                # two links of one inode: nothing changes
+        x, y = s.inodes[ia], s.inodes[ib]
+        if (x.is_dir and _below_locked(s, db, x)) or (y.is_dir and _below_locked(s, da, y)):
+            raise FsError(errno.EINVAL)
+        for d, n, incoming in ((da, a, y), (db, b, x)):
+            if n == H.POLICY_NAME and not incoming.is_dir:
+                try:
+                    H.parse_policy(s.hints.read_policy_file_locked(incoming))
+                except H.HintError as e:
+                    log.error("exchange onto %s/.retainz refused: %s",
+                              s.inodes.path_of(d.ino), e)
+                    raise FsError(errno.EINVAL, str(e)) from None
+        s.do_locked(R.RENAME, R.pack_json({"op": da.ino, "on": a.decode("latin-1"),
+                                           "np": db.ino, "nn": b.decode("latin-1"),
+                                           "t": now_ns(), "x": 1}))
+        if da.ino != db.ino and x.is_dir != y.is_dir:     # a subdirectory changed parent
+            src, dst = (da, db) if x.is_dir else (db, da)
+            src.nlink -= 1
+            dst.nlink += 1
+            ns.save_inode_locked(da)
+            ns.save_inode_locked(db)
+        ns.save_inode_locked(x)
+        ns.save_inode_locked(y)
+        s.hints.rederive_locked(x)
+        s.hints.rederive_locked(y)
+        for d, n in ((da, a), (db, b)):
+            if n == H.POLICY_NAME:
+                try:
+                    s.hints.load_policy_locked(d.ino)
+                except H.HintError:
+                    pass

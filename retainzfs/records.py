@@ -18,7 +18,8 @@ INODE = 10          # create/update: full attributes (JSON)
 INODE_DEL = 11      # inode freed
 DIRENT_ADD = 12
 DIRENT_DEL = 13
-RENAME = 14
+RENAME = 14         # JSON {op, on, np, nn, t}; with "x": 1 (feature ``rename_exchange``)
+                    # the two names swap (renameat2 RENAME_EXCHANGE)
 EXTENT = 20         # file range -> zone range, with the zone's reset generation
 TRUNCATE = 21
 RELOCATE = 22       # GC moved a live range

@@ -94,6 +94,12 @@ class PartialReplay:
             if child is None or child not in inodes:
                 self.skipped += 1
                 return False
+            if d.get("x"):                 # an exchange: the other entry's inode as well
+                np_ = inodes.get(d["np"])
+                other = np_.entries.get(d["nn"].encode("latin-1")) if np_ is not None else None
+                if other is None or other not in inodes:
+                    self.skipped += 1
+                    return False
         return True
 
     def adopt_orphans(self, root_ino: int, now: int) -> list[int]:

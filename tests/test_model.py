@@ -8,6 +8,7 @@ state must equal the model.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import operator
@@ -24,6 +25,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant,
 
 from retainzfs import acl as A
 from retainzfs.device import create_image, open_device
+from retainzfs.nsops import RENAME_EXCHANGE
 from retainzfs.store import FsError, ROOT_INO, Store
 
 MiB = 1 << 20
@@ -40,6 +42,10 @@ os.umask(_UMASK)
 
 def _data(seed: int, n: int) -> bytes:
     return random.Random(seed).randbytes(n)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+AT_FDCWD = -100
 
 
 class _Base(RuleBasedStateMachine):
@@ -61,7 +67,7 @@ class _Base(RuleBasedStateMachine):
         self.seed = 0
 
     # Each backend subclass (StoreMachine, MountMachine) provides the operations the rules
-    # call: b_write(name, pieces, fsync), b_truncate, b_rename, b_unlink, b_setxattr,
+    # call: b_write(name, pieces, fsync), b_truncate, b_rename, b_exchange, b_unlink, b_setxattr,
     # b_removexattr, b_read, b_list, b_xattrs, b_remount.
 
     # --- rules ---------------------------------------------------------------------------
@@ -116,6 +122,16 @@ class _Base(RuleBasedStateMachine):
             self.files[new] = self.files.pop(old)
             self.xattrs[new] = self.xattrs.pop(old)
             self.perms[new] = self.perms.pop(old)
+
+    @precondition(lambda self: len(self.files) >= 2)
+    @rule(data=st.data())
+    def exchange(self, data):
+        """renameat2(RENAME_EXCHANGE) of two files: they swap names."""
+        a, b = data.draw(st.lists(st.sampled_from(sorted(self.files)), min_size=2, max_size=2,
+                                  unique=True))
+        self.b_exchange(a, b)
+        for m in (self.files, self.xattrs, self.perms):
+            m[a], m[b] = m[b], m[a]
 
     @precondition(lambda self: self.files)
     @rule(data=st.data())
@@ -252,6 +268,9 @@ class StoreMachine(_Base):
 
     def b_rename(self, a, b):
         self.store.rename(ROOT_INO, a.encode(), ROOT_INO, b.encode())
+
+    def b_exchange(self, a, b):
+        self.store.rename(ROOT_INO, a.encode(), ROOT_INO, b.encode(), RENAME_EXCHANGE)
 
     def b_unlink(self, name):
         self.store.unlink(ROOT_INO, name.encode())
@@ -394,6 +413,10 @@ class _Fills:
         self.release(a, b)
         super().b_rename(a, b)
 
+    def b_exchange(self, a, b):
+        self.release(a, b)
+        super().b_exchange(a, b)
+
     def b_unlink(self, name):
         self.release(name)
         super().b_unlink(name)
@@ -519,6 +542,12 @@ class MountMachine(_Base):
 
     def b_rename(self, a, b):
         os.rename(self.p(a), self.p(b))
+
+    def b_exchange(self, a, b):
+        if _libc.renameat2(AT_FDCWD, os.fsencode(self.p(a)), AT_FDCWD, os.fsencode(self.p(b)),
+                           RENAME_EXCHANGE) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, os.strerror(e), self.p(a))
 
     def b_unlink(self, name):
         os.unlink(self.p(name))

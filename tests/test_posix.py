@@ -1328,18 +1328,79 @@ def _renameat2(a, b, flags: int) -> int:
 
 
 def test_renameat2_flags(mounted):
-    """RENAME_NOREPLACE is done (EEXIST onto a name, a plain rename otherwise); EXCHANGE and
-    WHITEOUT are refused with EINVAL, so a program falls back, and nothing moves.  Before,
-    WHITEOUT was taken for a plain rename: the source vanished with no whiteout in its place
-    (overlayfs relies on it)."""
+    """RENAME_NOREPLACE is done (EEXIST onto a name, a plain rename otherwise); WHITEOUT is
+    refused with EINVAL, so a program falls back, and nothing moves.  Before, WHITEOUT was
+    taken for a plain rename: the source vanished with no whiteout in its place (overlayfs
+    relies on it).  EXCHANGE swaps (``test_rename_exchange_*``)."""
     m = mounted
     (m / "a").write_bytes(b"AAA")
     (m / "b").write_bytes(b"BBBB")
     assert _renameat2(m / "a", m / "b", 1) == errno.EEXIST
     assert _renameat2(m / "a", m / "c", 1) == 0
-    for flags in (2, 4):                               # EXCHANGE, WHITEOUT
-        assert _renameat2(m / "c", m / "b", flags) == errno.EINVAL, flags
-    assert _renameat2(m / "c", m / "new", 4) == errno.EINVAL   # (EXCHANGE: ENOENT, the kernel's)
+    assert _renameat2(m / "c", m / "b", 4) == errno.EINVAL            # WHITEOUT
+    assert _renameat2(m / "c", m / "new", 4) == errno.EINVAL
+    assert _renameat2(m / "c", m / "new", 2) == errno.ENOENT          # EXCHANGE: both must exist
+    assert _renameat2(m / "c", m / "b", 2) == 0
     m.remount()
     assert sorted(os.listdir(m.path)) == ["b", "c"]
-    assert (m / "b").read_bytes() == b"BBBB" and (m / "c").read_bytes() == b"AAA"
+    assert (m / "b").read_bytes() == b"AAA" and (m / "c").read_bytes() == b"BBBB"
+
+
+#: ``x DIR A B``: renameat2(DIR/A, DIR/B, RENAME_EXCHANGE), printing ok or the error
+_EXCHANGE_SH = (
+    'x() { python3 -c "import ctypes, os, sys; l = ctypes.CDLL(None, use_errno=True); '
+    'r = l.renameat2(-100, os.fsencode(sys.argv[1]), -100, os.fsencode(sys.argv[2]), 2); '
+    'print(sys.argv[3], \'ok\' if r == 0 else os.strerror(ctypes.get_errno()))" '
+    '"$1/$2" "$1/$3" "$2 $3"; }\n')
+
+
+def test_rename_exchange_as_on_ext4(image):
+    """renameat2(RENAME_EXCHANGE) (``mv --exchange``, atomic swaps of a directory or a
+    "latest" file): files and directories swap names within a directory and across two,
+    directory link counts and ``..`` follow, hard links and the errors of ext4; the same
+    after a remount.  It was EINVAL."""
+    on_host_and_mount(image, _EXCHANGE_SH + """
+    cd "$1"; mkdir -p A/sub/deep B/other; echo f > A/f; echo g > B/g; ln A/f A/f2
+    echo s > A/sub/deep/s
+    x . A/f B/g; x . A/sub B/g; x . A/f A/f2; x . A/nope B/g; x . B/other B/sub
+    x . A B; x . A/g A/f; x . B/sub/deep A/g
+    for p in $(find . | sort); do stat -c '%n %F %h' "$p"; done
+    for p in $(find . -type f | sort); do echo "$p: $(cat "$p")"; done
+    for d in $(find . -mindepth 1 -type d | sort); do
+        [ "$(stat -c %i "$d/..")" = "$(stat -c %i "$(dirname "$d")")" ] && echo "$d/.. ok"
+    done
+    """, remount_check="cd $1 && find . -printf '%p %y %n\\n' | sort && cat $(find . -type f | sort)")
+
+
+def test_rename_exchange_survives_a_crash_and_checks_a_policy(mounted):
+    """Exchanges made durable (``fsync`` of the directories) are there after ``kill -9``
+    (journal replay); a file arriving at ``.retainz`` by an exchange must hold a valid
+    policy, like a rename onto it (EINVAL, nothing swapped), and a valid one takes effect."""
+    m = mounted
+    (m / "a").mkdir()
+    (m / "b").mkdir()
+    for i in range(20):
+        (m / "a" / f"f{i}").write_bytes(b"a%d" % i)
+        (m / "b" / f"f{i}").write_bytes(b"b%d" % i * 1000)
+    for i in range(0, 20, 2):
+        assert _renameat2(m / "a" / f"f{i}", m / "b" / f"f{i}", 2) == 0
+    assert _renameat2(m / "a", m / "b", 2) == 0                 # and the directories
+    for d in ("a", "b", "."):
+        fd = os.open(m / d, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    want = {f"{d}/{p.name}": p.read_bytes() for d in ("a", "b") for p in (m / d).iterdir()}
+    assert (want["a/f0"], want["a/f1"], want["b/f0"], want["b/f1"]) == (    # swapped twice
+        b"a0", b"b1" * 1000, b"b0" * 1000, b"a1")
+    m.kill()
+    m.mount()
+    assert {f"{d}/{p.name}": p.read_bytes() for d in ("a", "b") for p in (m / d).iterdir()} == want
+    (m / "job").mkdir()
+    (m / "job" / ".retainz").write_text("keep_latest = 2\n")
+    (m / "job" / "bad").write_text("keep_latest = 'two'\n")
+    (m / "job" / "good").write_text("keep_latest = 5\n")
+    assert _renameat2(m / "job" / "bad", m / "job" / ".retainz", 2) == errno.EINVAL
+    assert (m / "job" / ".retainz").read_text() == "keep_latest = 2\n"
+    assert _renameat2(m / "job" / "good", m / "job" / ".retainz", 2) == 0
+    assert (m / "job" / ".retainz").read_text() == "keep_latest = 5\n"
+    assert (m / "job" / "good").read_text() == "keep_latest = 2\n"

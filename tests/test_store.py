@@ -1342,3 +1342,38 @@ def test_a_file_s_xattr_names_always_fit_one_listxattr(tmp_path, width):
     finally:
         s.close()
         dev.close()
+
+
+def test_rename_exchange_refuses_a_loop_and_needs_the_feature(tmp_path, monkeypatch):
+    """RENAME_EXCHANGE through the store: a directory may not be swapped into itself (EINVAL;
+    the kernel checks it first, the store again); an image made before the
+    ``rename_exchange`` feature answers EINVAL (a version without it would take the record
+    for a plain rename and drop the second name), and keeps both names after a crash."""
+    from retainzfs import superblock
+    from retainzfs.nsops import EXCHANGE_FEATURE, RENAME_EXCHANGE
+    path, dev, s = fresh(tmp_path)
+    top = s.mkdir(1, b"top", 0o755).ino
+    sub = s.mkdir(top, b"sub", 0o755).ino
+    put(s, sub, b"f", b"F")
+    for args in ((1, b"top", sub, b"f"), (top, b"sub", 1, b"top")):   # (and a parent with
+        with pytest.raises(FsError) as e:                                 # its child, as Linux)
+            s.rename(*args, RENAME_EXCHANGE)
+        assert e.value.errno == errno.EINVAL
+    assert s.lookup(sub, b"f").ino and s.lookup(top, b"sub").ino == sub
+    s.close()
+    dev.close()
+    monkeypatch.setattr(superblock, "FEATURES",
+                        tuple(f for f in superblock.FEATURES if f != EXCHANGE_FEATURE))
+    (tmp_path / "old").mkdir()
+    path, dev, s = fresh(tmp_path / "old")
+    monkeypatch.undo()
+    a, b = put(s, 1, b"a", b"A"), put(s, 1, b"b", b"B")
+    with pytest.raises(FsError) as e:
+        s.rename(1, b"a", 1, b"b", RENAME_EXCHANGE)
+    assert e.value.errno == errno.EINVAL
+    dev, s = reopen(path, dev, s, clean=False)
+    try:
+        assert (s.lookup(1, b"a").ino, s.lookup(1, b"b").ino) == (a, b)
+    finally:
+        s.close()
+        dev.close()
