@@ -368,13 +368,7 @@ class NamespaceOps:
                     raise FsError(errno.ENOTDIR)
             if new_name == H.POLICY_NAME and not moving.is_dir and (
                     op.ino != np_.ino or old_name != new_name):
-                # refused like a write of a malformed .retainz: the rename does not happen
-                try:
-                    H.parse_policy(s.hints.read_policy_file_locked(moving))
-                except H.HintError as e:
-                    log.error("rename onto %s/.retainz refused: %s",
-                              s.inodes.path_of(np_.ino), e)
-                    raise FsError(errno.EINVAL, str(e)) from None
+                _refuse_bad_policy_locked(s, np_, moving, "rename")
             s.do_locked(R.RENAME, R.pack_json({"op": op.ino, "on": old_name.decode("latin-1"),
                                                "np": np_.ino, "nn": new_name.decode("latin-1"),
                                                "t": now_ns()}))
@@ -391,12 +385,7 @@ class NamespaceOps:
                     self.drop_link_locked(victim)
             if op.ino != np_.ino or old_name != new_name:
                 s.hints.rederive_locked(moving)
-            for d, n in ((op, old_name), (np_, new_name)):
-                if n == H.POLICY_NAME and d.ino in s.inodes:
-                    try:
-                        s.hints.load_policy_locked(d.ino)
-                    except H.HintError:
-                        pass
+            _reload_policies_locked(s, ((op, old_name), (np_, new_name)))
         s.reclaim.reset_empty_zones()
 
     # ------------------------------------------------------------------ attributes
@@ -577,6 +566,27 @@ class StoreHints:
             s.ns.save_inode_locked(f)
 
 
+def _refuse_bad_policy_locked(s, dest: Inode, incoming: Inode, what: str) -> None:
+    """A file arriving at ``dest/.retainz`` by a rename or an exchange must hold a valid
+    policy: refused (EINVAL) like a write of a malformed one, and no name changes."""
+    try:
+        H.parse_policy(s.hints.read_policy_file_locked(incoming))
+    except H.HintError as e:
+        log.error("%s onto %s/.retainz refused: %s", what, s.inodes.path_of(dest.ino), e)
+        raise FsError(errno.EINVAL, str(e)) from None
+
+
+def _reload_policies_locked(s, places) -> None:
+    """After a rename or an exchange: the directories of [(dir, name)] whose name was
+    ``.retainz`` read their policy again (gone, new, or a directory now)."""
+    for d, n in places:
+        if n == H.POLICY_NAME and d.ino in s.inodes:
+            try:
+                s.hints.load_policy_locked(d.ino)
+            except H.HintError:
+                pass
+
+
 def _below_locked(s, d: Inode, top: Inode) -> bool:
     """``d`` is ``top`` or inside it (Store.lock held)."""
     while True:
@@ -607,12 +617,7 @@ def exchange(ns: NamespaceOps, pa: int, a: bytes, pb: int, b: bytes) -> None:
             raise FsError(errno.EINVAL)
         for d, n, incoming in ((da, a, y), (db, b, x)):
             if n == H.POLICY_NAME and not incoming.is_dir:
-                try:
-                    H.parse_policy(s.hints.read_policy_file_locked(incoming))
-                except H.HintError as e:
-                    log.error("exchange onto %s/.retainz refused: %s",
-                              s.inodes.path_of(d.ino), e)
-                    raise FsError(errno.EINVAL, str(e)) from None
+                _refuse_bad_policy_locked(s, d, incoming, "exchange")
         s.do_locked(R.RENAME, R.pack_json({"op": da.ino, "on": a.decode("latin-1"),
                                            "np": db.ino, "nn": b.decode("latin-1"),
                                            "t": now_ns(), "x": 1}))
@@ -626,9 +631,4 @@ def exchange(ns: NamespaceOps, pa: int, a: bytes, pb: int, b: bytes) -> None:
         ns.save_inode_locked(y)
         s.hints.rederive_locked(x)
         s.hints.rederive_locked(y)
-        for d, n in ((da, a), (db, b)):
-            if n == H.POLICY_NAME:
-                try:
-                    s.hints.load_policy_locked(d.ino)
-                except H.HintError:
-                    pass
+        _reload_policies_locked(s, ((da, a), (db, b)))
