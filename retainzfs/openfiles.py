@@ -290,13 +290,17 @@ class OpenFiles:
                         inode.flush_err = e
 
     def wait_flush(self, ino: int) -> None:
-        """Wait for the file's background flush and raise its error, if any."""
+        """Wait for the file's background flushes and raise their error, if any.  Both of
+        them: the one before the latest has written (its turn passed) but its future may not
+        be marked done yet, and a close that left it so kept both futures (``shed_finished``
+        drops only done ones) until the kernel forgot the file."""
         s = self.s
         with s.lock:
             inode = s.inodes.get(ino)
-            fut = inode.flushing if inode is not None else None
-        if fut is not None:
-            fut.result()
+            futs = (inode.flushing_prev, inode.flushing) if inode is not None else ()
+        for fut in futs:
+            if fut is not None:
+                fut.result()
         self.check_flush_error(ino)
 
     def check_flush_error(self, ino: int) -> None:
