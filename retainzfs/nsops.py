@@ -343,14 +343,8 @@ class NamespaceOps:
             if ino is None:
                 raise FsError(errno.ENOENT)
             moving = s.inodes[ino]
-            if moving.is_dir:        # refuse moving a directory below itself
-                a = np_
-                while True:
-                    if a.ino == moving.ino:
-                        raise FsError(errno.EINVAL)
-                    if a.ino == ROOT_INO or not a.parent:
-                        break
-                    a = s.inodes[a.parent]
+            if moving.is_dir and _below_locked(s, np_, moving):   # below itself
+                raise FsError(errno.EINVAL)
             victim_ino = np_.entries.get(new_name)
             victim = None
             if victim_ino is not None:
