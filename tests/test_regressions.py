@@ -11,6 +11,7 @@ import json
 import os
 import random
 import subprocess
+import sys
 import time
 
 import pytest
@@ -334,6 +335,31 @@ def test_bad_mount_options_one_line_before_fork(image, tmp_path, opt, needle):
     assert "could not convert" not in err
     assert time.monotonic() - t < 10
     assert not is_mounted(mnt)
+
+
+def test_fstab_style_options_mount_and_errors_name_the_command(image, tmp_path):
+    """xfstests' FUSE config (and many fstab lines) pass ``default_permissions``: the mount
+    refused it ("unknown mount option").  And through mount(8), whose helper runs
+    ``python -m retainzfs.cli.mount``, every error began "mount.py:", a name no user typed."""
+    mnt = tmp_path / "m"
+    mnt.mkdir()
+    opts = "defaults,default_permissions,allow_other,nofail,noatime,x-systemd.automount"
+    for argv in ([MOUNT, image, mnt, "-o", opts],
+                 ["mount", "-t", "fuse.retainzfs", image, mnt, "-o", opts]):
+        run(*argv)
+        try:
+            assert is_mounted(mnt)
+            (mnt / "f").write_bytes(b"x")
+        finally:
+            run("umount", mnt)
+    for argv in ([MOUNT, image, mnt, "-o", "bogus"],
+                 ["mount", "-t", "fuse.retainzfs", image, mnt, "-o", "bogus"],
+                 [sys.executable, "-m", "retainzfs.cli.mount", image, mnt, "-o", "bogus"]):
+        err = one_line_error(run(*argv, check=False), "bogus")
+        assert err.startswith("mount.retainzfs: "), err
+    err = one_line_error(run(sys.executable, "-m", "retainzfs.cli.mkfs", "--size", "1x",
+                             tmp_path / "i.zns", check=False))
+    assert err.startswith("mkfs.retainzfs: "), err
 
 
 @pytest.mark.parametrize("name,mname", [

@@ -24,8 +24,19 @@ def parse_size(text: str) -> int:
     return int(Fraction(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+# the commands' names when run as ``python -m retainzfs.cli.X`` (as the mount(8) helper does):
+# argv[0] is then the module's file, and "mount.py: ..." named no command a user typed
+_PROGS = {"mount.py": "mount.retainzfs", "mkfs.py": "mkfs.retainzfs", "main.py": "retainzfs"}
+
+
+def prog_name() -> str:
+    """The command's name for its messages."""
+    base = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return _PROGS.get(base, base or "retainzfs")
+
+
 def die(msg: str, code: int = 1) -> "NoReturn":  # noqa: F821
-    print(f"{os.path.basename(sys.argv[0]) or 'retainzfs'}: {msg}", file=sys.stderr)
+    print(f"{prog_name()}: {msg}", file=sys.stderr)
     raise SystemExit(code)
 
 

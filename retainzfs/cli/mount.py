@@ -20,7 +20,10 @@ from .common import die, find_mount_of, is_retainzfs_mount
 #: mount(8)/fstab options that mean nothing to us and are dropped silently
 IGNORED = {"defaults", "auto", "noauto", "user", "nouser", "users", "nofail", "_netdev",
            "exec", "noexec", "suid", "nosuid", "dev", "nodev", "async", "atime", "noatime",
-           "relatime", "strictatime", "nodiratime", "diratime", "owner", "group", "comment"}
+           "relatime", "strictatime", "nodiratime", "diratime", "owner", "group", "comment",
+           # FUSE's own permission checks: always on here (fs.py asks for them), and fstab
+           # lines and xfstests' FUSE config pass it, so it is accepted rather than refused
+           "default_permissions"}
 FUSE_PASSTHROUGH = {"allow_other", "allow_root"}
 
 
