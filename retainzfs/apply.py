@@ -136,6 +136,9 @@ class RecordApplier:
             dead = inode.extents.truncate(size)
             inode.size = size
             return dead
+        if rtype == R.PUNCH:
+            ino, start, end = R.unpack_punch(payload)
+            return s.inodes[ino].extents.punch(start, end)
         if rtype == R.RELOCATE:
             ino, off, length, oz, ooff, nz, ngen, noff = R.unpack_relocate(payload)
             inode = s.inodes.get(ino)

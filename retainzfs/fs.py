@@ -31,7 +31,7 @@ ENTRY_TIMEOUT = 1.0
 NEGATIVE_TIMEOUT = ENTRY_TIMEOUT
 
 XATTR_CREATE, XATTR_REPLACE = 1, 2
-FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE = 0x01, 0x02, 0x10
 
 #: st_blksize: the buffer size of stdio and Python's ``open()``.  Not 1 MiB: a reader that
 #: seeks to a header and reads a few bytes (``torch.load`` of each DCP item) would refill a
@@ -243,14 +243,21 @@ class Operations:
             self.store.commit(ino, durable=fh in self.synced)
 
     def fallocate(self, fh: int, mode: int, off: int, length: int) -> None:
-        """Modes 0 and KEEP_SIZE (``OpenFiles.allocate``); punching holes, zeroing,
-        collapsing or inserting ranges: EOPNOTSUPP (ENOSYS would make the kernel stop asking
-        for the modes that work)."""
-        if mode & ~FALLOC_FL_KEEP_SIZE:
+        """Modes 0 and KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE, ZERO_RANGE (``falloc.Falloc``);
+        collapsing or inserting ranges, unsharing: EOPNOTSUPP (ENOSYS would make the kernel
+        stop asking for the modes that work)."""
+        keep = bool(mode & FALLOC_FL_KEEP_SIZE)
+        kind = mode & ~FALLOC_FL_KEEP_SIZE
+        if kind not in (0, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE):
             raise FsError(errno.EOPNOTSUPP)
         if off < 0 or length <= 0:
             raise FsError(errno.EINVAL)
-        self.store.allocate(self._ino(fh), off, length, bool(mode & FALLOC_FL_KEEP_SIZE))
+        if kind == FALLOC_FL_PUNCH_HOLE and not keep:
+            raise FsError(errno.EOPNOTSUPP)            # as vfs_fallocate says
+        if kind:
+            self.store.punch(self._ino(fh), off, length, kind == FALLOC_FL_ZERO_RANGE, keep)
+        else:
+            self.store.allocate(self._ino(fh), off, length, keep)
 
     def fsync(self, fh: int, datasync: bool) -> None:
         self.store.commit(self._ino(fh), durable=True)

@@ -408,28 +408,6 @@ class OpenFiles:
                     inode.flush_turn = None
         s.reclaim.reset_empty_zones()
 
-    def allocate(self, ino: int, off: int, length: int, keep_size: bool) -> None:
-        """fallocate(2) modes 0 and KEEP_SIZE.  Space cannot be set aside on a zoned log (a
-        later write of the range goes to a new place whatever was done now), so, as OpenZFS
-        does for its copy-on-write files, the range's bytes that hold no data yet must fit in
-        the free space now, and mode 0 extends the size; ``st_blocks`` stays what was
-        written.  Why not EOPNOTSUPP: ``fallocate -l`` failed outright, and glibc's
-        ``posix_fallocate`` then wrote a byte into every 4 KiB block itself (64 MiB in 2 s,
-        80 MiB of padding through the log)."""
-        s = self.s
-        end = off + length
-        with s.lock:
-            inode = s.ns.get_locked(ino)
-            if not inode.is_reg:
-                raise FsError(errno.EISDIR if inode.is_dir else errno.ENODEV)
-            need = length - inode.extents.mapped_between(off, end)
-        st = s.report.statfs()
-        if need > st["bfree"] * st["bsize"]:
-            raise FsError(errno.ENOSPC, f"fallocate of {length} bytes: {need} are not written "
-                                        f"yet and {st['bfree'] * st['bsize']} are free")
-        if not keep_size:
-            self.truncate(ino, end, grow_only=True)
-
     def truncate(self, ino: int, size: int, grow_only: bool = False,
                  touch: bool = False, kill_priv: bool = False) -> None:
         """Set the size; ``grow_only``: never below the size it has when the locks are held

@@ -24,6 +24,8 @@ EXTENT = 20         # file range -> zone range, with the zone's reset generation
 TRUNCATE = 21
 RELOCATE = 22       # GC moved a live range
 CSUM = 23           # CRC32C of each piece of one device write
+PUNCH = 24          # file range [start, end) unmapped: a hole (fallocate PUNCH_HOLE/ZERO_RANGE;
+                    # feature ``punch_hole``)
 ZONE_FINISH = 30
 ZONE_RESET = 31     # the zone was reset: its generation is now ``gen``
 #: Durability proof (feature ``flush_marks``): every data write named by a CSUM record in a
@@ -36,7 +38,7 @@ ALL_BEFORE = (1 << 64) - 1
 NAMES = {SUPER: "super", SNAP_BEGIN: "snap_begin", SNAP_CHUNK: "snap_chunk", SNAP_END: "snap_end",
          INODE: "inode", INODE_DEL: "inode_del", DIRENT_ADD: "dirent_add",
          DIRENT_DEL: "dirent_del", RENAME: "rename", EXTENT: "extent", TRUNCATE: "truncate",
-         RELOCATE: "relocate", CSUM: "csum", ZONE_FINISH: "zone_finish", ZONE_RESET: "zone_reset",
+         RELOCATE: "relocate", CSUM: "csum", PUNCH: "punch", ZONE_FINISH: "zone_finish", ZONE_RESET: "zone_reset",
          FLUSHED: "flushed"}
 
 #: bytes covered by one data checksum: small enough that a 4 KiB random read verifies at most
@@ -47,6 +49,7 @@ SNAP_CHUNK_SIZE = 1 << 20
 _EXTENT = struct.Struct("<QQIIQQd")      # ino, file_off, zone, zgen, zone_off, length, hint
 _RELOC = struct.Struct("<QQQIQIIQ")      # ino, file_off, length, old_zone, old_off, new_zone, new_zgen, new_off
 _TRUNC = struct.Struct("<QQ")
+_PUNCH = struct.Struct("<QQQ")           # ino, start, end
 _ZONE = struct.Struct("<I")
 _ZGEN = struct.Struct("<II")             # zone, generation
 _CSUM = struct.Struct("<IIQQ")           # zone, zgen, zone_off, length; then one u32 per piece
@@ -75,6 +78,14 @@ def pack_truncate(ino: int, size: int) -> bytes:
 
 def unpack_truncate(payload) -> tuple:
     return _TRUNC.unpack(payload)
+
+
+def pack_punch(ino: int, start: int, end: int) -> bytes:
+    return _PUNCH.pack(ino, start, end)
+
+
+def unpack_punch(payload) -> tuple:
+    return _PUNCH.unpack(payload)
 
 
 def pack_zone(zone: int) -> bytes:

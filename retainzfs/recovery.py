@@ -57,6 +57,8 @@ def touched_inodes(rtype: int, payload) -> tuple[int, ...]:
         return (R.unpack_extent(payload)[0],)
     if rtype == R.TRUNCATE:
         return (R.unpack_truncate(payload)[0],)
+    if rtype == R.PUNCH:
+        return (R.unpack_punch(payload)[0],)
     if rtype == R.RELOCATE:
         return (R.unpack_relocate(payload)[0],)
     if rtype in (R.INODE, R.INODE_DEL):

@@ -11,6 +11,7 @@ store's state through it:
 * ``xattrs``  xattrops.XattrOps    user, hint and virtual (computed) extended attributes
 * ``hints``   nsops.StoreHints     ``.retainz`` policies in force, hint resolution (hints.py)
 * ``files``   openfiles.OpenFiles  write buffers, the background flush, parked errors
+* ``falloc``  falloc.Falloc        fallocate(2): room checks, holes (PUNCH records)
 * ``data``    datapath.DataPath    placement, THE write loop (data and GC copies)
 * ``reads``   readpath.ReadPath    verified reads (lock-free against resets), readahead
 * ``reclaim`` reclaim.Reclaim      dead bytes, THE reset sequence, GC
@@ -58,6 +59,7 @@ from . import namespace as NS
 from .namespace import ROOT_INO, Inode
 from .nsops import NAME_MAX, NamespaceOps, StoreHints
 from .xattrops import XattrOps
+from .falloc import Falloc
 from .openfiles import OpenFiles
 from .reclaim import Reclaim
 from .stats import LatencyHistogram, StoreStats
@@ -199,6 +201,7 @@ class Store:
         self.xattrs = XattrOps(self)
         self.hints = StoreHints(self)
         self.files = OpenFiles(self)
+        self.falloc = Falloc(self)
         self.data = DataPath(self)
         self.reads = ReadPath(self)
         self.reclaim = Reclaim(self)
@@ -316,7 +319,9 @@ class Store:
     buffer_write = _Via("files")
     write = _Via("files")
     truncate = _Via("files")
-    allocate = _Via("files")
+    # fallocate(2), falloc.Falloc
+    allocate = _Via("falloc")
+    punch = _Via("falloc")
     _flush_data = _Via("files", "flush_data")
     # data path, datapath.DataPath; reads, readpath.ReadPath
     read = _Via("reads")

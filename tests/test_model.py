@@ -114,6 +114,28 @@ class _Base(RuleBasedStateMachine):
             cur.extend(bytes(size - len(cur)))
 
     @precondition(lambda self: self.files)
+    @rule(data=st.data(), off=OFFS, n=SIZES.filter(bool), zero=st.booleans(), keep=st.booleans())
+    def punch(self, data, off, n, zero, keep):
+        """fallocate PUNCH_HOLE|KEEP_SIZE (the kernel takes it only with KEEP_SIZE) or
+        ZERO_RANGE[|KEEP_SIZE]: the range reads as zeros; ZERO_RANGE without KEEP_SIZE
+        extends the size.  On a device that fills, ZERO_RANGE may answer ENOSPC (it checks
+        room as an allocation does) and then changes nothing."""
+        name = data.draw(st.sampled_from(sorted(self.files)))
+        keep = keep or not zero
+        try:
+            self.b_punch(name, off, n, zero, keep)
+        except (OSError, FsError) as e:
+            if not (zero and e.errno == errno.ENOSPC and isinstance(self, _Fills)):
+                raise
+            type(self).full += 1
+            return
+        cur = self.files[name]
+        if not keep and off + n > len(cur):
+            cur.extend(bytes(off + n - len(cur)))
+        lo, hi = min(off, len(cur)), min(off + n, len(cur))
+        cur[lo:hi] = bytes(hi - lo)
+
+    @precondition(lambda self: self.files)
     @rule(data=st.data(), new=NAMES)
     def rename(self, data, new):
         old = data.draw(st.sampled_from(sorted(self.files)))
@@ -265,6 +287,9 @@ class StoreMachine(_Base):
 
     def b_truncate(self, name, size):
         self.store.setattr(self._ino(name), size=size)
+
+    def b_punch(self, name, off, n, zero, keep):
+        self.store.punch(self._ino(name), off, n, zero, keep)
 
     def b_rename(self, a, b):
         self.store.rename(ROOT_INO, a.encode(), ROOT_INO, b.encode())
@@ -539,6 +564,16 @@ class MountMachine(_Base):
 
     def b_truncate(self, name, size):
         os.truncate(self.p(name), size)
+
+    def b_punch(self, name, off, n, zero, keep):
+        fd = os.open(self.p(name), os.O_RDWR)
+        try:
+            if _libc.fallocate(fd, (0x10 if zero else 0x02) | keep, ctypes.c_int64(off),
+                               ctypes.c_int64(n)) != 0:
+                e = ctypes.get_errno()
+                raise OSError(e, os.strerror(e), self.p(name))
+        finally:
+            os.close(fd)
 
     def b_rename(self, a, b):
         os.rename(self.p(a), self.p(b))
