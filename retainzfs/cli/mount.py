@@ -19,12 +19,18 @@ from .common import die, find_mount_of, is_retainzfs_mount
 
 #: mount(8)/fstab options that mean nothing to us and are dropped silently
 IGNORED = {"defaults", "auto", "noauto", "user", "nouser", "users", "nofail", "_netdev",
-           "exec", "noexec", "suid", "nosuid", "dev", "nodev", "async", "atime", "noatime",
-           "relatime", "strictatime", "nodiratime", "diratime", "owner", "group", "comment",
+           # the daemon keeps no access times (the kernel never sends a read it serves from
+           # its cache, so none could be kept faithfully): every mount behaves as noatime
+           "atime", "relatime", "strictatime", "nodiratime", "diratime", "owner", "group",
+           "comment",
            # FUSE's own permission checks: always on here (fs.py asks for them), and fstab
            # lines and xfstests' FUSE config pass it, so it is accepted rather than refused
            "default_permissions"}
-FUSE_PASSTHROUGH = {"allow_other", "allow_root"}
+#: handed to libfuse: its own, and the kernel's mount flags (libfuse mounts nosuid,nodev unless
+#: told ``suid``/``dev``; ``noexec`` was ignored here before stop 37, a hardening fstab line
+#: silently lost)
+FUSE_PASSTHROUGH = {"allow_other", "allow_root", "suid", "nosuid", "dev", "nodev", "exec",
+                    "noexec", "sync", "async", "dirsync", "noatime"}
 
 
 def _number(key: str, val: str, kind=float, lo: float | None = None, lo_open: bool = False,
