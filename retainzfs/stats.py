@@ -169,6 +169,8 @@ class StoreStats:
                 "metadata_corrupt": s.meta_corrupt,
                 "metadata_partial": s.recovered_partial,
                 "format_version": s.sb.version,
+                # mounted read-only: the device is open O_RDONLY (a remount cannot make it rw)
+                "readonly": bool(s.opts.readonly),
                 "tuning": dict(s.tuning),
                 "readahead": {"hits": s.reads.ra.hits, "bytes": s.reads.ra.prefetched},
                 # seconds the write loop held io_lock (placing and reserving) and seconds in

@@ -876,3 +876,34 @@ def test_touch_sets_now_by_the_clock_every_other_time_comes_from(mounted):
             made[p.name] = (after.st_atime_ns, after.st_mtime_ns)
     mounted.remount()
     assert {p.name: (p.stat().st_atime_ns, p.stat().st_mtime_ns) for p in d.iterdir()} == made
+
+
+def test_remount_read_only_and_back(make_image, mount_image):
+    """``mount -o remount,ro`` (xfstests' generic/294 and /306, and an operator freezing a
+    checkpoint directory) was "unknown mount option 'remount'".  Now the kernel's flags move:
+    writes fail with EROFS and reads and ``status`` work; ``remount,rw`` writes again; a
+    mount made ``ro`` (its device open read-only) refuses to become rw in one line; a bad
+    option is refused, changing nothing."""
+    img = make_image("256M", "4M")
+    m = mount_image(img)
+    (m / "a").write_bytes(b"A" * 5000)
+    run("mount", "-o", "remount,ro", m.path)
+    assert "ro" in _mount_opts(m)
+    with pytest.raises(OSError) as e:
+        (m / "b").write_bytes(b"B")
+    assert e.value.errno == errno.EROFS
+    assert (m / "a").read_bytes() == b"A" * 5000 and m.status()["readonly"] is False
+    run("mount", "-o", "remount,rw,noexec", m.path)
+    assert {"rw", "noexec", "nosuid"} <= _mount_opts(m)
+    (m / "b").write_bytes(b"B")
+    err = one_line_error(run("mount", "-o", "remount,bogus", m.path, check=False), "bogus")
+    assert "rw" in _mount_opts(m)
+    m.umount()
+    m = mount_image(img, "ro")
+    assert m.status()["readonly"] is True
+    err = one_line_error(run("mount", "-o", "remount,rw", m.path, check=False), "read-only")
+    assert err.startswith("mount.retainzfs: "), err
+    assert "ro" in _mount_opts(m)
+    assert (m / "b").read_bytes() == b"B"
+    err = one_line_error(run(MOUNT, "-o", "remount,ro", img, "/tmp", check=False),
+                         "not a retainzfs mount")

@@ -506,8 +506,52 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
     return rc
 
 
+#: what /proc/mounts shows of a FUSE mount besides its flags (a remount is handed them back)
+FUSE_KERNEL_OPTS = {"user_id", "group_id", "rootmode", "fd", "max_read", "blksize"}
+#: the kernel flags a remount may change (mount(2) MS_REMOUNT; the FUSE kernel takes these)
+REMOUNT_FLAGS = {"ro", "rw", "suid", "nosuid", "dev", "nodev", "exec", "noexec", "sync",
+                 "async", "dirsync", "noatime"}
+
+
+def remount(mnt: str, opts: list[str]) -> int:
+    """``mount -o remount,ro DIR`` (mount(8) runs the helper for it): the kernel's flags move
+    with mount(2)'s MS_REMOUNT, done by ``mount -i`` (no helper); the daemon's own options stay
+    what they were (libmount hands the fstab line's back on a remount; they are checked, not
+    applied).  A mount made read-only has its device open O_RDONLY: no remount makes it rw.
+    Before stop 37 a remount was "unknown mount option 'remount'"."""
+    # mount(8) hands the mount's current options over too, the FUSE kernel's among them
+    keys = [o for g in opts for o in g.split(",")
+            if o and o != "remount" and o.partition("=")[0] not in FUSE_KERNEL_OPTS]
+    try:
+        parse_options([",".join(keys)])
+    except ValueError as e:
+        die(str(e))
+    if not is_retainzfs_mount(mnt):
+        die(f"{mnt} is not a retainzfs mount (nothing to remount)")
+    flags = [k for k in keys if k in REMOUNT_FLAGS]
+    ro = [k for k in flags if k in ("ro", "rw")]
+    if ro and ro[-1] == "rw":
+        from .main import _status_from_mount
+        if _status_from_mount(mnt).get("readonly"):
+            die(f"{mnt} was mounted read-only (its device is open read-only): unmount it and "
+                f"mount it again to write")
+    if ro and ro[-1] == "ro":             # as ext4's: what was written is durable first (an
+        fd = os.open(mnt, os.O_RDONLY)     # fsync of the root reaches the daemon; syncfs
+        try:                               # would not)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    p = subprocess.run(["mount", "-i", "-o", ",".join(["remount"] + flags), mnt],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if p.returncode != 0:
+        die(f"remount of {mnt} failed: {p.stdout.strip().splitlines()[-1] if p.stdout else p.returncode}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if any("remount" in g.split(",") for g in args.options):
+        return remount(args.mountpoint, args.options)
     try:
         ours, fuse_extra = parse_options(args.options)
     except ValueError as e:
