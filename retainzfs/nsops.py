@@ -100,9 +100,9 @@ class NamespaceOps:
     def lookup(self, parent: int, name: bytes) -> Inode:
         s = self.s
         with s.lock:
+            if name == b".":     # also how the kernel finds the inode of a file handle
+                return self.get_locked(parent)    # (open_by_handle_at, NFS export) of any type
             p = self.dir_locked(parent)
-            if name == b".":
-                return p
             if name == b"..":
                 return s.inodes.get(p.parent or ROOT_INO, p)
             if len(name) > NAME_MAX:
