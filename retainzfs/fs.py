@@ -77,6 +77,8 @@ class Operations:
         self.handles: dict[int, int] = {}     # fh -> ino (dict operations are atomic)
         self.synced: set[int] = set()         # handles fsynced once: their close is durable
         self.direct: set[int] = set()         # handles opened with FOPEN_DIRECT_IO
+        #: directory handle -> [ino, the directory's next cookie when the stream (re)started]
+        self.dirs: dict[int, list] = {}
         self._fhs = itertools.count(1)
         self.initialized = threading.Event()
 
@@ -165,12 +167,26 @@ class Operations:
     # -- directories --
     def opendir(self, ino: int) -> int:
         self.store.getattr(ino)
-        return ino
+        fh = next(self._fhs)
+        self.dirs[fh] = [ino, None]
+        return fh
 
     def readdir(self, fh: int, off: int, limit: int | None = None):
         """(name, Attrs, cookie) from cookie ``off`` on, at most ``limit`` (what fits the
-        reply); ``_fuse`` stops when the reply is full."""
-        return self.store.readdir_stat(fh, off, limit)
+        reply); ``_fuse`` stops when the reply is full.  Only entries older than the stream:
+        a name renamed away and back while the directory is read gets a new cookie, and a
+        program renaming each entry it reads (xfstests' generic/736) read forever.  POSIX
+        leaves entries added since opendir/rewinddir unspecified; a read from offset 0 (a
+        rewind) takes the directory as it is then."""
+        d = self.dirs.get(fh)
+        if d is None:
+            raise FsError(errno.EBADF)
+        if off == 0 or d[1] is None:
+            d[1] = self.store.next_cookie(d[0])
+        return self.store.readdir_stat(d[0], off, limit, below=d[1])
+
+    def releasedir(self, fh: int) -> None:
+        self.dirs.pop(fh, None)
 
     def fsyncdir(self, fh: int, datasync: bool) -> None:
         self.store.sync()

@@ -91,11 +91,18 @@ class NamespaceOps:
                 inode.lookups += 1
             return Attrs.of(inode)
 
-    def readdir_stat(self, ino: int, start: int,
-                     limit: int | None = None) -> list[tuple[bytes, Attrs, int]]:
+    def readdir_stat(self, ino: int, start: int, limit: int | None = None,
+                     below: int | None = None) -> list[tuple[bytes, Attrs, int]]:
         """``readdir`` with each entry's attributes copied under the same lock."""
         with self.s.lock:
-            return [(n, Attrs.of(i), c) for n, i, c in self.readdir(ino, start, limit)]
+            return [(n, Attrs.of(i), c) for n, i, c in self.readdir(ino, start, limit, below)]
+
+    def next_cookie(self, ino: int) -> int:
+        """The cookie the directory's next new entry gets (a bound for ``readdir``)."""
+        with self.s.lock:
+            d = self.dir_locked(ino)
+            d.cookies                            # (built on first use)
+            return d.next_cookie
 
     def lookup(self, parent: int, name: bytes) -> Inode:
         s = self.s
@@ -119,10 +126,11 @@ class NamespaceOps:
                 raise FsError(errno.EINVAL)
             return inode.target
 
-    def readdir(self, ino: int, start: int,
-                limit: int | None = None) -> list[tuple[bytes, Inode, int]]:
-        """Entries with cookie > start, in cookie order: (name, inode, cookie); at most
-        ``limit`` (what one reply can carry), found without walking the entries before."""
+    def readdir(self, ino: int, start: int, limit: int | None = None,
+                below: int | None = None) -> list[tuple[bytes, Inode, int]]:
+        """Entries with cookie > start (and < ``below``), in cookie order: (name, inode,
+        cookie); at most ``limit`` (what one reply can carry), found without walking the
+        entries before."""
         s = self.s
         with s.lock:
             d = self.dir_locked(ino)
@@ -134,6 +142,8 @@ class NamespaceOps:
             more = None if limit is None else max(0, limit - len(out))
             entries = d.entries
             for name, cookie in d.entries_after(start, more):
+                if below is not None and cookie >= below:
+                    break
                 out.append((name, s.inodes[entries[name]], cookie))
             return out
 

@@ -294,6 +294,7 @@ class Store:
     getattr = _Via("ns")
     stat = _Via("ns")
     readdir_stat = _Via("ns")
+    next_cookie = _Via("ns")
     lookup = _Via("ns")
     create = _Via("ns")
     mknod = _Via("ns")

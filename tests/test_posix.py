@@ -988,6 +988,32 @@ def test_readdir_telldir_seekdir(mounted):
     assert after[0] == first[400]
 
 
+def test_renaming_each_entry_away_and_back_while_reading_ends(mounted):
+    """xfstests' generic/736 (the bug btrfs fixed in 9b378f6ad48c): a program renaming each
+    entry it reads to a temporary name and back never finished: each name came back with a
+    new cookie, after the reader's position.  A stream now lists the entries the directory
+    had when it was opened (or rewound), each once, as ext4 does here (5,002 with . and ..);
+    what is added meanwhile is listed after a rewind."""
+    d = mounted / "dir"
+    d.mkdir()
+    for i in range(1, 3001):
+        (d / str(i)).touch()
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        seen = []
+        with os.scandir(fd) as it:
+            for e in it:
+                seen.append(e.name)
+                assert len(seen) <= 9000, "the listing does not end"
+                os.rename(e.name, "TEMPFILE", src_dir_fd=fd, dst_dir_fd=fd)
+                os.rename("TEMPFILE", e.name, src_dir_fd=fd, dst_dir_fd=fd)
+        assert sorted(seen, key=int) == [str(i) for i in range(1, 3001)]
+    finally:
+        os.close(fd)
+    (d / "new").touch()
+    assert len(os.listdir(d)) == 3001                   # a new stream sees everything
+
+
 # ---------------------------------------------------------------------------- reads, mmap
 
 def test_concurrent_random_offset_reads(mounted):

@@ -439,7 +439,9 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
         notify(f"ERR interrupted (signal {supervise.STOP[0]}) before mounting")
         return 1
     try:
-        extra = list(fuse_extra) + (["ro"] if ours.get("readonly") else [])
+        # noatime always: the daemon keeps no access times (IGNORED), and the mount says so
+        # rather than showing the kernel's default, relatime
+        extra = list(fuse_extra) + (["ro"] if ours.get("readonly") else []) + ["noatime"]
         fs.mount(ops, mnt, fs.fuse_options(os.path.realpath(target), extra))
     except Exception as e:
         store.close()
