@@ -407,6 +407,19 @@ def test_kernel_mount_flags_are_honoured(make_image, mount_image, tmp_path):
         assert e.errno == errno.ENOTCONN, e
     m.mount()
     assert (m / "k").read_bytes() == data
+    m.umount()
+    # through mount(8), which keeps dev/suid/exec to itself as defaults and passes only
+    # nodev/nosuid/noexec: dev,suid unless told (as ext4; libfuse's mount.fuse does the same)
+    for opts, want, absent in (("allow_other", set(), {"nodev", "nosuid"}),
+                               ("nodev,nosuid", {"nodev", "nosuid"}, set())):
+        run("mount", "-t", "fuse.retainzfs", img, m.path, "-o", opts)
+        try:
+            got = _mount_opts(m)
+            assert want <= got and not absent & got, got
+            if not want:
+                (m / "null").write_bytes(b"x")
+        finally:
+            run("umount", m.path)
 
 
 @pytest.mark.parametrize("name,mname", [
