@@ -16,12 +16,15 @@
 #
 # Expected failures (stop 37; each is a design choice or a kernel/libfuse limit):
 #   generic/003  atime: the daemon keeps no access times (mounts say noatime)
-#   generic/375, /683  a non-member's setfacl/fallocate keeps SGID (libfuse 3.14: no
-#                SETXATTR_EXT / KILL_SUIDGID for these paths; README, left alone)
+#   generic/375, /683, /684, /685  a non-member's setfacl / fallocate / punch / zero range
+#                keeps an SGID bit without group-exec (FUSE sends no kill-priv for these and
+#                libfuse 3.14 has no SETXATTR_EXT; the same family as writes, left alone)
 #   generic/394, /564  `ulimit -f` not permitted in this VM (any file system)
 #   generic/568  st_blocks grows when writing into a fallocated range: a zoned log cannot
 #                set blocks aside (README: fallocate)
 #   generic/732  the same image mounted at two places: one daemon owns an image
+# Not run here: fiemap (FUSE has no FIEMAP), reflink/dedupe, shutdown, swapfiles, collapse
+# and insert range, O_TMPFILE (libfuse 3.14), sized scratch file systems, dm/block devices.
 set -eu
 [ $# -ge 1 ] || { sed -n '2,9p' "$0"; exit 2; }
 XFST=$(cd "$1" && pwd); shift

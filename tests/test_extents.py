@@ -25,6 +25,7 @@ zone = st.integers(4, 7)
 op = st.one_of(
     st.tuples(st.just("add"), offset, length, zone, st.integers(0, 8 * BS), hint),
     st.tuples(st.just("truncate"), offset),
+    st.tuples(st.just("punch"), offset, length),       # fallocate PUNCH_HOLE / ZERO_RANGE
     st.tuples(st.just("relocate"), offset, length, zone, st.integers(0, 8 * BS)),
     st.tuples(st.just("clear")),
 )
@@ -72,6 +73,12 @@ def test_extent_map_matches_byte_model(ops):
         elif o[0] == "truncate":
             dead = m.truncate(o[1])
             for k in range(o[1], size):
+                model[k] = None
+            gained = {}
+        elif o[0] == "punch":
+            _, off, n = o
+            dead = m.punch(off, off + n)
+            for k in range(off, min(off + n, size)):
                 model[k] = None
             gained = {}
         elif o[0] == "relocate":
