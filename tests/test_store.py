@@ -26,6 +26,18 @@ def fresh(tmp_path, size=64 * MiB, zone=1 * MiB, **kw):
     return path, dev, Store(dev, StoreOptions(**kw))
 
 
+def fresh_without(tmp_path, monkeypatch, feature: str):
+    """``fresh`` in ``tmp_path/old`` formatted as a version without ``feature`` would (an
+    image made before it); this version then mounts it."""
+    from retainzfs import superblock
+    monkeypatch.setattr(superblock, "FEATURES",
+                        tuple(f for f in superblock.FEATURES if f != feature))
+    (tmp_path / "old").mkdir()
+    got = fresh(tmp_path / "old")
+    monkeypatch.undo()
+    return got
+
+
 def reopen(path, dev, store=None, clean=True):
     if store is not None and clean:
         store.close()
@@ -1359,7 +1371,6 @@ def test_rename_exchange_refuses_a_loop_and_needs_the_feature(tmp_path, monkeypa
     the kernel checks it first, the store again); an image made before the
     ``rename_exchange`` feature answers EINVAL (a version without it would take the record
     for a plain rename and drop the second name), and keeps both names after a crash."""
-    from retainzfs import superblock
     from retainzfs.nsops import EXCHANGE_FEATURE, RENAME_EXCHANGE
     path, dev, s = fresh(tmp_path)
     top = s.mkdir(1, b"top", 0o755).ino
@@ -1372,11 +1383,7 @@ def test_rename_exchange_refuses_a_loop_and_needs_the_feature(tmp_path, monkeypa
     assert s.lookup(sub, b"f").ino and s.lookup(top, b"sub").ino == sub
     s.close()
     dev.close()
-    monkeypatch.setattr(superblock, "FEATURES",
-                        tuple(f for f in superblock.FEATURES if f != EXCHANGE_FEATURE))
-    (tmp_path / "old").mkdir()
-    path, dev, s = fresh(tmp_path / "old")
-    monkeypatch.undo()
+    path, dev, s = fresh_without(tmp_path, monkeypatch, EXCHANGE_FEATURE)
     a, b = put(s, 1, b"a", b"A"), put(s, 1, b"b", b"B")
     with pytest.raises(FsError) as e:
         s.rename(1, b"a", 1, b"b", RENAME_EXCHANGE)
@@ -1395,7 +1402,6 @@ def test_holes_need_the_feature_and_replay_in_order(tmp_path, monkeypatch):
     replays the records in that order.  An image made before the ``punch_hole`` feature
     answers EOPNOTSUPP (a version without it could not replay a PUNCH record), changing
     nothing."""
-    from retainzfs import superblock
     from retainzfs.falloc import PUNCH_FEATURE
     path, dev, s = fresh(tmp_path)
     ino = put(s, 1, b"f", b"a" * 100_000)
@@ -1414,11 +1420,7 @@ def test_holes_need_the_feature_and_replay_in_order(tmp_path, monkeypatch):
     finally:
         s.close()
         dev.close()
-    monkeypatch.setattr(superblock, "FEATURES",
-                        tuple(f for f in superblock.FEATURES if f != PUNCH_FEATURE))
-    (tmp_path / "old").mkdir()
-    path, dev, s = fresh(tmp_path / "old")
-    monkeypatch.undo()
+    path, dev, s = fresh_without(tmp_path, monkeypatch, PUNCH_FEATURE)
     ino = put(s, 1, b"f", b"a" * 10_000)
     for zero in (False, True):
         with pytest.raises(FsError) as e:
