@@ -31,6 +31,9 @@ from .workers import Workers
 log = logging.getLogger("retainzfs")
 
 FLUSH_WORKERS = 4
+#: a write this far past the end of a file's buffered bytes, over a hole, joins the buffer with
+#: zeros between (``OpenFiles.gap_locked``) rather than ending it
+GAP_MAX = 64 << 10
 
 
 class OpenFiles:
@@ -123,22 +126,40 @@ class OpenFiles:
             inode = s.ns.get_locked(ino)
             buf = inode.wbuf
             n = len(data)
-            if (n == 0 or inode.flush_err is not None or s.failed is not None
-                    or (buf and off != buf.end)
-                    or len(buf) - inode.inflight + n >= s.opts.flush_bytes
-                    or self.buffered + n > s.opts.dirty_bytes
-                    or self.room.write_through_locked(buf, n)):
+            gap = self.gap_locked(inode, buf, off) if n else None
+            if (gap is None or inode.flush_err is not None or s.failed is not None
+                    or len(buf) - inode.inflight + gap + n >= s.opts.flush_bytes
+                    or self.buffered + gap + n > s.opts.dirty_bytes
+                    or self.room.write_through_locked(buf, gap + n)):
                 return None
             was_empty, slack = not buf, buf.slack
             if was_empty:
                 buf.size0 = inode.size
+            if gap:
+                buf.append(buf.end, bytes(gap))
             buf.append(off, data)
-            self._note_locked(ino, was_empty, n + buf.slack - slack)
+            self._note_locked(ino, was_empty, gap + n + buf.slack - slack)
             inode.mtime = inode.ctime = now_ns()
             if off + n > inode.size:
                 inode.size = off + n
             inode.dirty = inode.policy_dirty = True
             return n
+
+    @staticmethod
+    def gap_locked(inode, buf, off: int) -> int | None:
+        """Zero bytes that join a write at ``off`` to the file's buffer: 0 when it continues
+        the buffer (or starts one), the distance when it lands at most ``GAP_MAX`` past the
+        buffer's end over a hole (nothing mapped there: the zeros are what a read of it
+        gives), else None (the buffer is written out first).  Writes that skip ahead, such
+        as every other 512-byte block of a new file (xfstests' fstest -F), each ended the
+        buffer and padded its last block: 8.4 GB of padding for 1.3 GB written, an extent a
+        write, and the daemon at 868 MB.  Store.lock held."""
+        if not buf or off == buf.end:
+            return 0
+        gap = off - buf.end
+        if 0 < gap <= GAP_MAX and not inode.extents.mapped_between(buf.end, off):
+            return gap
+        return None
 
     def _note_locked(self, ino: int, was_empty: bool, n: int) -> None:
         """Count ``n`` more bytes held by the file's buffer: those appended and the change
@@ -174,9 +195,12 @@ class OpenFiles:
                     was_empty, slack = not buf, buf.slack
                     if was_empty:
                         buf.size0 = inode.size
-                    need_flush = not buf.append(off, data)
+                    gap = self.gap_locked(inode, buf, off)
+                    if gap:
+                        buf.append(buf.end, bytes(gap))
+                    need_flush = gap is None or not buf.append(off, data)
                 if not drain and not need_flush:
-                    self._note_locked(ino, was_empty, n + buf.slack - slack)
+                    self._note_locked(ino, was_empty, gap + n + buf.slack - slack)
                     over = (self.buffered > s.opts.dirty_bytes and not s.opts.inline_flush)
                     t = now_ns()
                     inode.mtime = inode.ctime = t

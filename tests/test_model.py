@@ -71,9 +71,12 @@ class _Base(RuleBasedStateMachine):
     # b_removexattr, b_read, b_list, b_xattrs, b_remount.
 
     # --- rules ---------------------------------------------------------------------------
-    @rule(name=NAMES, off=OFFS, n=SIZES, fsync=st.booleans(), many=st.integers(1, 40))
-    def write(self, name, off, n, fsync, many):
-        """One write, or ``many`` small consecutive writes (a log written a line at a time)."""
+    @rule(name=NAMES, off=OFFS, n=SIZES, fsync=st.booleans(), many=st.integers(1, 40),
+          skip=st.sampled_from([0, 0, 0, 1, 512, 4095, 65536, 65537]))
+    def write(self, name, off, n, fsync, many, skip):
+        """One write, or ``many`` small writes one after another (a log written a line at a
+        time), each ``skip`` bytes past the last (fstest -F: every other block; the buffer
+        joins a gap of up to 64 KiB over a hole with zeros, ``OpenFiles.gap_locked``)."""
         self.seed += 1
         cur = self.files.setdefault(name, bytearray())
         self.xattrs.setdefault(name, {})
@@ -85,7 +88,7 @@ class _Base(RuleBasedStateMachine):
         for i in range(many):
             d = _data(self.seed * 1000 + i, n)
             pieces.append((pos, d))
-            pos += n
+            pos += n + skip
         done = self.b_write(name, pieces, fsync)
         self._apply(cur, pieces if done is None else done)
 
@@ -419,7 +422,7 @@ class _Fills:
         some example filled, and a run of 12 examples once had none.  (Not while a step's
         failure propagates through teardown: that failure is the one to report.)"""
         if sys.exc_info()[0] is None and type(self).full == self.full_before:
-            self.write("filler", 0, 32 << 20, True, 1)
+            self.write("filler", 0, 32 << 20, True, 1, 0)
             assert type(self).full > self.full_before, "a 32 MiB write did not fill the device"
             self.matches_model()
 
@@ -455,7 +458,7 @@ class _Fills:
 
     @rule(name=NAMES, off=OFFS, n=st.sampled_from([3 << 20, 8 << 20, 32 << 20]), fsync=st.booleans())
     def write_big(self, name, off, n, fsync):
-        self.write(name, off, n, fsync, 1)
+        self.write(name, off, n, fsync, 1, 0)
 
     #: bytes a log holds open from the start (before the ballast: while there is room to
     #: buffer them, so that a partial last block stays buffered)
@@ -467,7 +470,7 @@ class _Fills:
         may rewrite, truncate or delete, so that every example meets a full device within a
         few steps."""
         self.write_held("log-1", log_head, 1)
-        self.write("ballast", 0, 20 << 20, True, 1)
+        self.write("ballast", 0, 20 << 20, True, 1, 0)
 
 
 class FullStoreMachine(_Fills, StoreMachine):
