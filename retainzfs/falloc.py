@@ -64,8 +64,7 @@ class Falloc:
         end = off + length
         if zero:
             self._room(ino, off, end)
-        s.files.wait_flush(ino)
-        s.files.flush_data(ino, final=True)
+        s.files.write_out(ino)
         with s.io_lock:
             with s.lock:
                 inode = s.ns.get_locked(ino)

@@ -181,9 +181,8 @@ class Operations:
         d = self.dirs.get(fh)
         if d is None:
             raise FsError(errno.EBADF)
-        if off == 0 or d[1] is None:
-            d[1] = self.store.next_cookie(d[0])
-        return self.store.readdir_stat(d[0], off, limit, below=d[1])
+        out, d[1] = self.store.readdir_stat(d[0], off, limit, below=None if off == 0 else d[1])
+        return out
 
     def releasedir(self, fh: int) -> None:
         self.dirs.pop(fh, None)

@@ -92,10 +92,15 @@ class NamespaceOps:
             return Attrs.of(inode)
 
     def readdir_stat(self, ino: int, start: int, limit: int | None = None,
-                     below: int | None = None) -> list[tuple[bytes, Attrs, int]]:
-        """``readdir`` with each entry's attributes copied under the same lock."""
+                     below: int | None = None) -> tuple[list[tuple[bytes, Attrs, int]], int]:
+        """``readdir`` with each entry's attributes copied under the same lock, and the bound
+        it used: ``below``, or when None the directory's next cookie then (a stream's bound,
+        taken with its first entries in one hold of the lock)."""
         with self.s.lock:
-            return [(n, Attrs.of(i), c) for n, i, c in self.readdir(ino, start, limit, below)]
+            if below is None:
+                below = self.next_cookie(ino)
+            return ([(n, Attrs.of(i), c) for n, i, c in self.readdir(ino, start, limit, below)],
+                    below)
 
     def next_cookie(self, ino: int) -> int:
         """The cookie the directory's next new entry gets (a bound for ``readdir``)."""

@@ -327,6 +327,13 @@ class OpenFiles:
                 fut.result()
         self.check_flush_error(ino)
 
+    def write_out(self, ino: int) -> None:
+        """All of the file's bytes in zones: its background flushes waited for (their error
+        raised) and the rest of its buffer written, a partial last block padded.  What a
+        close, an fsync, a truncate, a hole punched and a device near full need first."""
+        self.wait_flush(ino)
+        self.flush_data(ino, final=True)
+
     def check_flush_error(self, ino: int) -> None:
         s = self.s
         with s.lock:
@@ -440,8 +447,7 @@ class OpenFiles:
         empty file, as on ext4); ``kill_priv``: clear set-user-ID, and set-group-ID with
         group execute, in the same inode record."""
         s = self.s
-        self.wait_flush(ino)
-        self.flush_data(ino, final=True)
+        self.write_out(ino)
         with s.io_lock:
             with s.lock:
                 inode = s.ns.get_locked(ino)

@@ -107,8 +107,7 @@ class Room:
             inos = list(self.f.dirty_since)
         for ino in inos:
             try:
-                self.f.wait_flush(ino)
-                self.f.flush_data(ino, final=True)
+                self.f.write_out(ino)
             except OSError as e:
                 with s.lock:
                     inode = s.inodes.get(ino)

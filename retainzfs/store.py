@@ -294,7 +294,6 @@ class Store:
     getattr = _Via("ns")
     stat = _Via("ns")
     readdir_stat = _Via("ns")
-    next_cookie = _Via("ns")
     lookup = _Via("ns")
     create = _Via("ns")
     mknod = _Via("ns")
@@ -433,8 +432,7 @@ class Store:
     def commit(self, ino: int, durable: bool, check_policy: bool = True) -> None:
         """close(2) (durable=False) or fsync (durable=True): data + extents + attributes out."""
         t0 = time.perf_counter()
-        self.files.wait_flush(ino)
-        self.files.flush_data(ino, final=True)
+        self.files.write_out(ino)
         policy_error = None
         with self.io_lock:
             with self.lock:

@@ -366,10 +366,12 @@ def test_fstab_style_options_mount_and_errors_name_the_command(image, tmp_path):
 
 
 def _mount_opts(m) -> set[str]:
-    for ln in open("/proc/mounts"):
-        f = ln.split()
-        if f[1] == str(m.path):
-            return set(f[3].split(","))
+    """The kernel's options for mount ``m`` as /proc/mounts shows them (``key=value`` kept
+    as the key); the same reader the CLI uses, which unescapes the mount point's field."""
+    from retainzfs.cli.common import retainzfs_mounts
+    for _, where, opts in retainzfs_mounts():
+        if where == str(m.path):
+            return set(opts)
     raise AssertionError(f"{m.path} not in /proc/mounts")
 
 

@@ -40,7 +40,7 @@ def die(msg: str, code: int = 1) -> "NoReturn":  # noqa: F821
     raise SystemExit(code)
 
 
-def _retainzfs_mounts() -> list[tuple[str, str, dict[str, str]]]:
+def retainzfs_mounts() -> list[tuple[str, str, dict[str, str]]]:
     """(source, mount point, options) of each retainzfs mount in ``/proc/mounts``, fields
     unescaped (a space is ``\\040``), bytes that are not UTF-8 kept as surrogates."""
     rows = []
@@ -59,12 +59,12 @@ def _retainzfs_mounts() -> list[tuple[str, str, dict[str, str]]]:
 def find_mount_of(target: str) -> str | None:
     """Mountpoint of a mounted retainzfs whose source is ``target``."""
     real = os.path.realpath(target)
-    return next((mnt for src, mnt, _ in _retainzfs_mounts()
+    return next((mnt for src, mnt, _ in retainzfs_mounts()
                  if os.path.realpath(src) == real), None)
 
 
 def _retainzfs_mountpoints() -> list[str]:
-    return [mnt for _, mnt, _ in _retainzfs_mounts()]
+    return [mnt for _, mnt, _ in retainzfs_mounts()]
 
 
 def access_hint(mnt: str, err: BaseException) -> str:
@@ -73,7 +73,7 @@ def access_hint(mnt: str, err: BaseException) -> str:
     if getattr(err, "errno", None) not in (errno.EACCES, errno.EPERM):
         return ""
     want = {os.path.abspath(mnt), os.path.realpath(mnt)}
-    for _, where, kv in _retainzfs_mounts():
+    for _, where, kv in retainzfs_mounts():
         uid = kv.get("user_id")
         if (where in want and "allow_other" not in kv and uid is not None
                 and uid != str(os.geteuid())):
@@ -97,7 +97,7 @@ DAEMON_TIMEOUT = 10.0
 
 def _mount_source(mnt: str) -> str | None:
     want = os.path.abspath(mnt)
-    return next((src for src, where, _ in _retainzfs_mounts() if where == want), None)
+    return next((src for src, where, _ in retainzfs_mounts() if where == want), None)
 
 
 def daemons_holding(path: str) -> list[int]:
@@ -175,6 +175,22 @@ def ask_daemon(mnt: str, what: str, fn: Callable[[], T],
     if not ok:
         raise value
     return value
+
+
+def status_from_mount(mnt: str, timeout: float = DAEMON_TIMEOUT) -> dict:
+    """The mounted daemon's status JSON (the ``retainz.status`` xattr of its root), with the
+    deadline of ``ask_daemon``; a one-line error when the mount cannot answer."""
+    import json
+
+    import xattr
+
+    from ..hints import XATTR_STATUS
+    try:
+        return json.loads(ask_daemon(mnt, "the status request",
+                                     lambda: xattr.getxattr(mnt, XATTR_STATUS.decode()), timeout))
+    except (OSError, ValueError) as e:
+        die(f"{mnt}: cannot read status from the mount: {getattr(e, 'strerror', None) or e}"
+            f"{access_hint(mnt, e)}")
 
 
 def no_superblock_message(dev, target: str, meta_zones: int = MIN_META_ZONES) -> str:

@@ -7,21 +7,11 @@ import math
 import os
 import sys
 
-import xattr
 
 from .. import hints as H
-from .common import (DAEMON_TIMEOUT, access_hint, ask_daemon, die, find_mount_of,
-                     is_retainzfs_mount, no_superblock_message)
+from .common import (DAEMON_TIMEOUT, ask_daemon, die, find_mount_of, is_retainzfs_mount,
+                     no_superblock_message, status_from_mount)
 
-STATUS_XATTR = H.XATTR_STATUS.decode()
-
-
-def _status_from_mount(mnt: str, timeout: float = DAEMON_TIMEOUT) -> dict:
-    try:
-        return json.loads(ask_daemon(mnt, "the status request",
-                                     lambda: xattr.getxattr(mnt, STATUS_XATTR), timeout))
-    except OSError as e:
-        die(f"{mnt}: cannot read status from the mount: {e.strerror}{access_hint(mnt, e)}")
 
 
 def _open_offline(target: str, readonly: bool = True):
@@ -55,12 +45,12 @@ def _open_offline(target: str, readonly: bool = True):
 def get_status(path: str, timeout: float = DAEMON_TIMEOUT) -> dict:
     # the mount table first: a stat of a mountpoint waits for its daemon
     if is_retainzfs_mount(path):
-        return _status_from_mount(path, timeout)
+        return status_from_mount(path, timeout)
     if os.path.isdir(path):
         die(f"{path} is not a retainzfs mountpoint")
     mnt = find_mount_of(path)
     if mnt:
-        return _status_from_mount(mnt, timeout)
+        return status_from_mount(mnt, timeout)
     if not os.path.exists(path):
         die(f"{path}: no such mountpoint, device or image")
     dev, store = _open_offline(path)

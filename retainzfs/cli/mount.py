@@ -15,7 +15,7 @@ import sys
 import time
 
 from . import daemonlog, supervise
-from .common import die, find_mount_of, is_retainzfs_mount
+from .common import die, find_mount_of, is_retainzfs_mount, status_from_mount
 
 #: mount(8)/fstab options that mean nothing to us and are dropped silently
 IGNORED = {"defaults", "auto", "noauto", "user", "nouser", "users", "nofail", "_netdev",
@@ -533,8 +533,7 @@ def remount(mnt: str, opts: list[str]) -> int:
     flags = [k for k in keys if k in REMOUNT_FLAGS]
     ro = [k for k in flags if k in ("ro", "rw")]
     if ro and ro[-1] == "rw":
-        from .main import _status_from_mount
-        if _status_from_mount(mnt).get("readonly"):
+        if status_from_mount(mnt).get("readonly"):
             die(f"{mnt} was mounted read-only (its device is open read-only): unmount it and "
                 f"mount it again to write")
     if ro and ro[-1] == "ro":             # as ext4's: what was written is durable first (an

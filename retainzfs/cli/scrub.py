@@ -19,13 +19,10 @@ import stat
 import sys
 import time
 
-import xattr
 
-from .. import hints as H
-from .common import access_hint, die, find_mount_of, mount_root
+from .common import die, find_mount_of, mount_root, status_from_mount
 
 READ = 4 << 20
-STATUS_XATTR = H.XATTR_STATUS.decode()
 
 
 def add_scrub_args(p) -> None:
@@ -41,14 +38,6 @@ def _bar(total: int, enabled: bool, desc: str):
     from tqdm import tqdm
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
                 file=sys.stderr, disable=not enabled, leave=False, dynamic_ncols=True)
-
-
-def _status(root: str) -> dict:
-    try:
-        return json.loads(xattr.getxattr(root, STATUS_XATTR))
-    except (OSError, ValueError) as e:
-        die(f"{root}: cannot read status from the mount: {getattr(e, 'strerror', None) or e}"
-            f"{access_hint(root, e)}")
 
 
 def _walk(top: str) -> tuple[list[tuple[str, int]], list[dict]]:
@@ -126,7 +115,7 @@ def scrub_mount(root: str, top: str, progress: bool) -> dict:
                                "zone": None, "error": err["error"]})
     finally:
         bar.close()
-    st = _status(root)
+    st = status_from_mount(root)
     return {"target": root, "mode": "mount", "bytes_verified": nbytes, "files": len(files),
             "extents": None, "errors": errors,
             "files_affected": sorted({e["path"] for e in errors if e["path"]}),
