@@ -5,7 +5,7 @@ mount time.  A plain file (0-1 extents, no xattrs, not open) is one object with 
 its name and its entries in two dicts (``Store.inodes`` and the parent's ``entries``); what few
 inodes have lives in two side objects created on first use:
 
-* ``_x`` (``Extra``): rdev, symlink target, xattrs, a directory's entries / cookies / policy
+* ``_x`` (``Extra``): rdev, symlink target, xattrs, a directory's entries / readdir index (``DirIndex``) / policy
   text, the hint data were placed with;
 * ``_rt`` (``RunState``): open-file state (opens, lookups, write buffer, in-flight flush, parked
   error, dirty flags), dropped again when the file is idle (closed, forgotten, nothing
@@ -92,10 +92,58 @@ def _xattr_sums(xattrs) -> tuple[int, int]:
             sum(len(k) + 1 for k in xattrs))
 
 
+class DirIndex:
+    """A directory's readdir cookies: name -> a cookie stable while the name stays, and the
+    cookies ascending (appended: a new entry gets the next one) with their names, so a
+    listing a reply at a time starts by bisection.  Built on the directory's first readdir
+    (insertion order, as the snapshot reloads it); an unlinked entry stays as a tombstone
+    until half of them are."""
+    __slots__ = ("cookies", "next_cookie", "order", "names", "dead")
+
+    def __init__(self, entries) -> None:
+        self.cookies = {n: 3 + i for i, n in enumerate(entries)}
+        self.next_cookie = 3 + len(self.cookies)
+        self.order = array("q", range(3, self.next_cookie))
+        self.names = list(entries)
+        self.dead = 0
+
+    def add(self, name: bytes) -> None:
+        if name in self.cookies:            # replaced (rename over it): the old cookie is dead
+            self.dead += 1
+        self.cookies[name] = self.next_cookie
+        self.order.append(self.next_cookie)
+        self.names.append(name)
+        self.next_cookie += 1
+
+    def remove(self, name: bytes) -> None:
+        if self.cookies.pop(name, None) is None:
+            return
+        self.dead += 1
+        if self.dead > 64 and 2 * self.dead > len(self.order):
+            live = [(c, n) for c, n in zip(self.order, self.names) if self.cookies.get(n) == c]
+            self.order = array("q", [c for c, _ in live])
+            self.names = [n for _, n in live]
+            self.dead = 0
+
+    def after(self, start: int, limit: int | None = None) -> list[tuple[bytes, int]]:
+        """(name, cookie) of the entries with cookie > ``start``, in cookie order, at most
+        ``limit``: O(log n + what it returns), so listing a directory of 10^5 entries a reply
+        at a time is not quadratic (it took 150 s for 184,000 entries when every reply
+        walked the whole directory)."""
+        order, names, cookies = self.order, self.names, self.cookies
+        i, n = bisect_right(order, start), len(order)
+        want = n if limit is None else limit
+        out = []
+        while i < n and len(out) < want:
+            if cookies.get(names[i]) == order[i]:
+                out.append((names[i], order[i]))
+            i += 1
+        return out
+
+
 class Extra:
     __slots__ = ("rdev", "target", "xattrs", "xattr_bytes", "xattr_list", "policy_src",
-                 "placed_hint", "entries", "cookies", "next_cookie", "order", "order_names",
-                 "order_dead")
+                 "placed_hint", "entries", "index")
 
     def __init__(self):
         self.rdev = 0
@@ -109,13 +157,7 @@ class Extra:
         self.policy_src = b""
         self.placed_hint = None
         self.entries = None
-        self.cookies = None
-        self.next_cookie = 3
-        # readdir's index: cookies ascending (appended: a new entry gets the next cookie) and
-        # their names; an unlinked entry stays as a tombstone until half of them are
-        self.order = None
-        self.order_names = None
-        self.order_dead = 0
+        self.index = None                   # DirIndex, on the first readdir
 
 
 class RunState:
@@ -679,59 +721,38 @@ class Inode:
         x = self._p.x.get(self._r)
         return EMPTY_MAP if x is None or x.entries is None else x.entries
 
-    @property
-    def cookies(self) -> dict:
-        """name -> stable readdir cookie (built on the first readdir, in insertion order)."""
+    def _index(self) -> DirIndex | None:
         x = self._p.x.get(self._r)
         if x is None or x.entries is None:
-            return EMPTY_MAP
-        if x.cookies is None:
-            x.cookies = {n: 3 + i for i, n in enumerate(x.entries)}
-            x.next_cookie = 3 + len(x.entries)
-            x.order = array("q", range(3, x.next_cookie))
-            x.order_names = list(x.entries)
-            x.order_dead = 0
-        return x.cookies
+            return None
+        if x.index is None:
+            x.index = DirIndex(x.entries)
+        return x.index
+
+    @property
+    def cookies(self) -> dict:
+        """name -> stable readdir cookie (``DirIndex``, built on the first use)."""
+        ix = self._index()
+        return EMPTY_MAP if ix is None else ix.cookies
 
     def entries_after(self, start: int, limit: int | None = None) -> list[tuple[bytes, int]]:
-        """(name, cookie) of the entries with cookie > ``start``, in cookie order, at most
-        ``limit``: O(log n + what it returns), so listing a directory of 10^5 entries a reply
-        at a time is not quadratic (it took 150 s for 184,000 entries when every reply
-        walked the whole directory)."""
-        cookies = self.cookies
-        if not cookies:
-            return []
-        x = self._p.x.get(self._r)
-        order, names = x.order, x.order_names
-        i = bisect_right(order, start)
-        out = []
-        n = len(order)
-        want = n if limit is None else limit
-        while i < n and len(out) < want:
-            name = names[i]
-            c = order[i]
-            if cookies.get(name) == c:
-                out.append((name, c))
-            i += 1
-        return out
+        """``DirIndex.after``: the entries past cookie ``start``, at most ``limit``."""
+        ix = self._index()
+        return [] if ix is None else ix.after(start, limit)
 
     @property
     def next_cookie(self) -> int:
-        x = self._p.x.get(self._r)
-        return 3 if x is None else x.next_cookie
+        """The cookie the directory's next new entry gets."""
+        ix = self._index()
+        return 3 if ix is None else ix.next_cookie
 
     def link(self, name: bytes, ino: int) -> None:
         x = self._p.x.get(self._r)
         if x is None or x.entries is None:
             raise NotADirectoryError(self.ino)
         x.entries[name] = ino
-        if x.cookies is not None:
-            if name in x.cookies:           # replaced (rename over it): the old cookie is dead
-                x.order_dead += 1
-            x.cookies[name] = x.next_cookie
-            x.order.append(x.next_cookie)
-            x.order_names.append(name)
-            x.next_cookie += 1
+        if x.index is not None:
+            x.index.add(name)
 
     def unlink(self, name: bytes):
         """Remove an entry; its inode number (KeyError when absent)."""
@@ -739,13 +760,8 @@ class Inode:
         if x is None or x.entries is None:
             raise KeyError(name)
         ino = x.entries.pop(name)
-        if x.cookies is not None and x.cookies.pop(name, None) is not None:
-            x.order_dead += 1
-            if x.order_dead > 64 and 2 * x.order_dead > len(x.order):
-                live = [(c, n) for c, n in zip(x.order, x.order_names) if x.cookies.get(n) == c]
-                x.order = array("q", [c for c, _ in live])
-                x.order_names = [n for _, n in live]
-                x.order_dead = 0
+        if x.index is not None:
+            x.index.remove(name)
         return ino
 
     # -- extents

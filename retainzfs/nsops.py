@@ -106,7 +106,6 @@ class NamespaceOps:
         """The cookie the directory's next new entry gets (a bound for ``readdir``)."""
         with self.s.lock:
             d = self.dir_locked(ino)
-            d.cookies                            # (built on first use)
             return d.next_cookie
 
     def lookup(self, parent: int, name: bytes) -> Inode:
