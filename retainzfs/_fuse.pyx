@@ -628,7 +628,7 @@ cdef void h_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name) noexcept 
 cdef void h_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_ino_t newparent,
                     const char *newname, unsigned int flags) noexcept with gil:
     _answer_ok(req, b"rename", _ops.rename,
-               (parent, <bytes>name, newparent, <bytes>newname, flags))
+               (parent, <bytes>name, newparent, <bytes>newname, flags, _ctx(req)))
 
 
 cdef void h_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept with gil:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import stat
 
 from . import records as R
 from .errors import FsError
@@ -125,6 +126,14 @@ class RecordApplier:
                 o = s.inodes[other]
                 o.parent, o.name = op.ino, on
                 o.ctime = d["t"]
+            elif d.get("w"):               # RENAME_WHITEOUT: a whiteout (char device 0/0)
+                i, uid, gid = d["w"]       # takes the first name
+                w = s.inodes.new(i, stat.S_IFCHR)
+                s.next_ino = max(s.next_ino, i + 1)
+                w.uid, w.gid = uid, gid
+                w.atime = w.mtime = w.ctime = d["t"]
+                w.parent, w.name = op.ino, on
+                op.link(on, i)
             return None
         if rtype == R.INODE_DEL:
             ino = R.unpack_json(payload)["i"]

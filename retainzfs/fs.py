@@ -161,8 +161,9 @@ class Operations:
         self.store.rmdir(parent, name)
 
     def rename(self, parent: int, name: bytes, new_parent: int, new_name: bytes,
-               flags: int) -> None:
-        self.store.rename(parent, name, new_parent, new_name, flags)
+               flags: int, ctx=(0, 0, 0)) -> None:
+        uid, gid, _umask = ctx               # (the owner of a RENAME_WHITEOUT's whiteout)
+        self.store.rename(parent, name, new_parent, new_name, flags, uid, gid)
 
     # -- directories --
     def opendir(self, ino: int) -> int:

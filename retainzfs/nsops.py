@@ -26,10 +26,12 @@ from .namespace import ROOT_INO, Attrs, Inode
 log = logging.getLogger("retainzfs")
 
 NAME_MAX = 255
-RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+RENAME_NOREPLACE, RENAME_EXCHANGE, RENAME_WHITEOUT = 1, 2, 4
 #: the superblock feature under which a RENAME record may swap two names ("x"): an image made
 #: before it, which an older version may still mount, answers RENAME_EXCHANGE with EINVAL
 EXCHANGE_FEATURE = "rename_exchange"
+#: ... and may leave a whiteout at the old name ("w"); RENAME_WHITEOUT is EINVAL without it
+WHITEOUT_FEATURE = "rename_whiteout"
 
 
 def fmt_hint(h: float):
@@ -340,12 +342,20 @@ class NamespaceOps:
             self.save_inode_locked(d)
 
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
-               flags: int = 0) -> None:
+               flags: int = 0, uid: int = 0, gid: int = 0) -> None:
+        """rename(2) and renameat2's NOREPLACE, EXCHANGE and WHITEOUT.  WHITEOUT (what
+        overlayfs does in its upper directory, which it refuses on a FUSE file system
+        without it) leaves a whiteout, a character device 0/0 owned by the caller (``uid``,
+        ``gid``), at the old name, made by the same RENAME record (``"w"``): a crash leaves
+        the move with its whiteout or neither."""
         s = self.s
         if flags == RENAME_EXCHANGE and EXCHANGE_FEATURE in s.sb.features:
             return exchange(self, old_parent, old_name, new_parent, new_name)
-        if flags & ~RENAME_NOREPLACE:     # WHITEOUT (overlayfs): not done here; a WHITEOUT
-            raise FsError(errno.EINVAL)   # was a plain rename (no whiteout left)
+        whiteout = bool(flags & RENAME_WHITEOUT) and WHITEOUT_FEATURE in s.sb.features
+        if flags & ~(RENAME_NOREPLACE | (RENAME_WHITEOUT if whiteout else 0)):
+            raise FsError(errno.EINVAL)   # (before stop 38 a WHITEOUT was EINVAL: overlayfs
+        if whiteout:                      # refused the mount as an upper directory)
+            self.room()
         if not flags & RENAME_NOREPLACE:
             self._durable_before_replace(old_parent, old_name, new_parent, new_name)
         with s.lock:
@@ -377,9 +387,11 @@ class NamespaceOps:
             if new_name == H.POLICY_NAME and not moving.is_dir and (
                     op.ino != np_.ino or old_name != new_name):
                 _refuse_bad_policy_locked(s, np_, moving, "rename")
-            s.do_locked(R.RENAME, R.pack_json({"op": op.ino, "on": old_name.decode("latin-1"),
-                                               "np": np_.ino, "nn": new_name.decode("latin-1"),
-                                               "t": now_ns()}))
+            rec = {"op": op.ino, "on": old_name.decode("latin-1"), "np": np_.ino,
+                   "nn": new_name.decode("latin-1"), "t": now_ns()}
+            if whiteout:             # (a set-group-ID directory gives its group, as mknod's)
+                rec["w"] = [s.next_ino, uid, op.gid if op.mode & stat.S_ISGID else gid]
+            s.do_locked(R.RENAME, R.pack_json(rec))
             if moving.is_dir and op.ino != np_.ino:
                 op.nlink -= 1
                 np_.nlink += 1

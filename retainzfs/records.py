@@ -19,7 +19,8 @@ INODE_DEL = 11      # inode freed
 DIRENT_ADD = 12
 DIRENT_DEL = 13
 RENAME = 14         # JSON {op, on, np, nn, t}; with "x": 1 (feature ``rename_exchange``)
-                    # the two names swap (renameat2 RENAME_EXCHANGE)
+                    # the two names swap (renameat2 RENAME_EXCHANGE); with "w": [ino, uid,
+                    # gid] (feature ``rename_whiteout``) a whiteout inode takes the old name
 EXTENT = 20         # file range -> zone range, with the zone's reset generation
 TRUNCATE = 21
 RELOCATE = 22       # GC moved a live range

@@ -6,9 +6,10 @@
 #
 #   bash scripts/run_xfstests.sh /path/to/xfstests                 # -g quick
 #   bash scripts/run_xfstests.sh /path/to/xfstests generic/451 generic/736
+#   XFST_SIZE=2G XFST_ZONE=16M bash scripts/run_xfstests.sh ...   # small images: fuller devices
 #
 # What it sets up: the build packages (apt, Debian/Ubuntu), the fsgqa users, two emulated
-# images (TEST and SCRATCH, 8 GiB, 64 MiB zones) under $XFST_IMAGES (/var/tmp/xfst-img), a
+# images (TEST and SCRATCH, $XFST_SIZE (8 GiB), $XFST_ZONE (64 MiB) zones) under $XFST_IMAGES (/var/tmp/xfst-img), a
 # local.config with FSTYP=fuse, FUSE_SUBTYP=.retainzfs, and mount options dev,suid (as ext4's
 # defaults; retainzfs mounts nosuid,nodev unless told).  One local change to xfstests: its
 # _fs_type maps the type /proc/mounts shows, fuse.retainzfs, to "fuse" (it does the same for
@@ -23,12 +24,16 @@
 #   generic/568  st_blocks grows when writing into a fallocated range: a zoned log cannot
 #                set blocks aside (README: fallocate)
 #   generic/732  the same image mounted at two places: one daemon owns an image
+#   generic/701  st_blocks of a fallocated file cut by truncate (0: fallocate checks room,
+#                a zoned log sets no blocks aside; the /568 family)
 # Not run here: fiemap (FUSE has no FIEMAP), reflink/dedupe, shutdown, swapfiles, collapse
 # and insert range, O_TMPFILE (libfuse 3.14), sized scratch file systems, dm/block devices.
 set -eu
 [ $# -ge 1 ] || { sed -n '2,9p' "$0"; exit 2; }
 XFST=$(cd "$1" && pwd); shift
 IMG=${XFST_IMAGES:-/var/tmp/xfst-img}
+SIZE=${XFST_SIZE:-8G}
+ZONE=${XFST_ZONE:-64M}
 [ "$(id -u)" = 0 ] || { echo "run as root" >&2; exit 2; }
 command -v mount.retainzfs >/dev/null || { echo "retainzfs not installed (bash scripts/setup.sh)" >&2; exit 2; }
 [ -x /sbin/mount.fuse.retainzfs ] || retainzfs install-helper
@@ -52,7 +57,7 @@ id 123456-fsgqa >/dev/null 2>&1 || useradd 123456-fsgqa 2>/dev/null || true
 for m in /mnt/test /mnt/scratch; do mountpoint -q "$m" && umount "$m"; mkdir -p "$m"; done
 mkdir -p "$IMG"
 for n in test scratch; do
-    mkfs.retainzfs --size 8G --zone-size 64M --force --quiet "$IMG/$n.zns"
+    mkfs.retainzfs --size "$SIZE" --zone-size "$ZONE" --force --quiet "$IMG/$n.zns"
 done
 cat > "$XFST/local.config" <<EOF
 export TEST_DEV=$IMG/test.zns

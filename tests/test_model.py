@@ -14,6 +14,7 @@ import functools
 import operator
 import os
 import random
+import stat
 import sys
 
 import pytest
@@ -25,7 +26,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant,
 
 from retainzfs import acl as A
 from retainzfs.device import create_image, open_device
-from retainzfs.nsops import RENAME_EXCHANGE
+from retainzfs.nsops import RENAME_EXCHANGE, RENAME_WHITEOUT
 from retainzfs.store import FsError, ROOT_INO, Store
 
 MiB = 1 << 20
@@ -64,6 +65,7 @@ class _Base(RuleBasedStateMachine):
         self.files: dict[str, bytearray] = {}
         self.xattrs: dict[str, dict[str, bytes]] = {}
         self.perms: dict[str, tuple] = {}
+        self.whiteouts: set[str] = set()    # names a RENAME_WHITEOUT left a whiteout at
         self.seed = 0
 
     # Each backend subclass (StoreMachine, MountMachine) provides the operations the rules
@@ -78,6 +80,9 @@ class _Base(RuleBasedStateMachine):
         time), each ``skip`` bytes past the last (fstest -F: every other block; the buffer
         joins a gap of up to 64 KiB over a hole with zeros, ``OpenFiles.gap_locked``)."""
         self.seed += 1
+        if name in self.whiteouts:          # (as overlayfs: the whiteout goes, a file comes)
+            self.b_unlink(name)
+            self.whiteouts.discard(name)
         cur = self.files.setdefault(name, bytearray())
         self.xattrs.setdefault(name, {})
         self.perms.setdefault(name, (self.CREATED, None))
@@ -147,6 +152,29 @@ class _Base(RuleBasedStateMachine):
             self.files[new] = self.files.pop(old)
             self.xattrs[new] = self.xattrs.pop(old)
             self.perms[new] = self.perms.pop(old)
+            self.whiteouts.discard(new)       # (a rename over a whiteout replaces it)
+
+    @precondition(lambda self: self.files)
+    @rule(data=st.data(), new=NAMES)
+    def whiteout(self, data, new):
+        """renameat2(RENAME_WHITEOUT), overlayfs's: the file moves and a whiteout (a
+        character device 0/0) takes its old name, in one journal record.  On a device that
+        fills it may answer ENOSPC (the whiteout is a new inode) and then changes nothing."""
+        old = data.draw(st.sampled_from(sorted(self.files)))
+        if old == new:
+            return
+        try:
+            self.b_whiteout(old, new)
+        except (OSError, FsError) as e:
+            if not (e.errno == errno.ENOSPC and isinstance(self, _Fills)):
+                raise
+            type(self).full += 1
+            return
+        self.files[new] = self.files.pop(old)
+        self.xattrs[new] = self.xattrs.pop(old)
+        self.perms[new] = self.perms.pop(old)
+        self.whiteouts.discard(new)
+        self.whiteouts.add(old)
 
     @precondition(lambda self: len(self.files) >= 2)
     @rule(data=st.data())
@@ -238,7 +266,9 @@ class _Base(RuleBasedStateMachine):
 
     @invariant()
     def matches_model(self):
-        assert self.b_list() == set(self.files)
+        assert self.b_list() == set(self.files) | self.whiteouts
+        for name in self.whiteouts:
+            assert self.b_is_whiteout(name), name
         for name, want in self.files.items():
             got = self.b_read(name)
             assert len(got) == len(want), name
@@ -299,6 +329,13 @@ class StoreMachine(_Base):
 
     def b_exchange(self, a, b):
         self.store.rename(ROOT_INO, a.encode(), ROOT_INO, b.encode(), RENAME_EXCHANGE)
+
+    def b_whiteout(self, a, b):
+        self.store.rename(ROOT_INO, a.encode(), ROOT_INO, b.encode(), RENAME_WHITEOUT)
+
+    def b_is_whiteout(self, name):
+        a = self.store.stat(self._ino(name))
+        return stat.S_ISCHR(a.mode) and a.rdev == 0
 
     def b_unlink(self, name):
         self.store.unlink(ROOT_INO, name.encode())
@@ -400,6 +437,9 @@ class _Fills:
         while another file took the last zone: the bug ``Room.drain`` had).  Names of their
         own, which the closing write rules do not pick (their close would flush it)."""
         self.seed += 1
+        if name in self.whiteouts:
+            self.b_unlink(name)
+            self.whiteouts.discard(name)
         cur = self.files.setdefault(name, bytearray())
         self.xattrs.setdefault(name, {})
         self.perms.setdefault(name, (self.CREATED, None))
@@ -444,6 +484,10 @@ class _Fills:
     def b_exchange(self, a, b):
         self.release(a, b)
         super().b_exchange(a, b)
+
+    def b_whiteout(self, a, b):
+        self.release(a, b)
+        super().b_whiteout(a, b)
 
     def b_unlink(self, name):
         self.release(name)
@@ -581,11 +625,21 @@ class MountMachine(_Base):
     def b_rename(self, a, b):
         os.rename(self.p(a), self.p(b))
 
-    def b_exchange(self, a, b):
+    def _renameat2(self, a, b, flags):
         if _libc.renameat2(AT_FDCWD, os.fsencode(self.p(a)), AT_FDCWD, os.fsencode(self.p(b)),
-                           RENAME_EXCHANGE) != 0:
+                           flags) != 0:
             e = ctypes.get_errno()
             raise OSError(e, os.strerror(e), self.p(a))
+
+    def b_exchange(self, a, b):
+        self._renameat2(a, b, RENAME_EXCHANGE)
+
+    def b_whiteout(self, a, b):
+        self._renameat2(a, b, RENAME_WHITEOUT)
+
+    def b_is_whiteout(self, name):
+        st_ = os.lstat(self.p(name))
+        return stat.S_ISCHR(st_.st_mode) and st_.st_rdev == 0
 
     def b_unlink(self, name):
         os.unlink(self.p(name))

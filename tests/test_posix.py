@@ -21,7 +21,7 @@ import time
 import pytest
 import xattr
 
-from conftest import on_host_and_mount, run
+from conftest import missing, on_host_and_mount, run
 from retainzfs import hints as H
 
 MiB = 1 << 20
@@ -1447,22 +1447,87 @@ def _renameat2(a, b, flags: int) -> int:
 
 
 def test_renameat2_flags(mounted):
-    """RENAME_NOREPLACE is done (EEXIST onto a name, a plain rename otherwise); WHITEOUT is
-    refused with EINVAL, so a program falls back, and nothing moves.  Before, WHITEOUT was
-    taken for a plain rename: the source vanished with no whiteout in its place (overlayfs
-    relies on it).  EXCHANGE swaps (``test_rename_exchange_*``)."""
+    """RENAME_NOREPLACE is done (EEXIST onto a name, a plain rename otherwise); EXCHANGE swaps
+    (``test_rename_exchange_*``); WHITEOUT moves the file and leaves a whiteout, a character
+    device 0/0, at the old name (overlayfs's; before stop 38 it was EINVAL and overlayfs
+    refused a mount as its upper directory, and before stop 11 it was taken for a plain
+    rename: the source vanished with no whiteout).  In a set-group-ID directory the whiteout
+    takes the directory's group, as mknod's node does; a durable one survives kill -9."""
     m = mounted
     (m / "a").write_bytes(b"AAA")
     (m / "b").write_bytes(b"BBBB")
     assert _renameat2(m / "a", m / "b", 1) == errno.EEXIST
     assert _renameat2(m / "a", m / "c", 1) == 0
-    assert _renameat2(m / "c", m / "b", 4) == errno.EINVAL            # WHITEOUT
-    assert _renameat2(m / "c", m / "new", 4) == errno.EINVAL
     assert _renameat2(m / "c", m / "new", 2) == errno.ENOENT          # EXCHANGE: both must exist
     assert _renameat2(m / "c", m / "b", 2) == 0
-    m.remount()
-    assert sorted(os.listdir(m.path)) == ["b", "c"]
-    assert (m / "b").read_bytes() == b"AAA" and (m / "c").read_bytes() == b"BBBB"
+    assert _renameat2(m / "c", m / "b", 6) == errno.EINVAL            # EXCHANGE|WHITEOUT
+    assert _renameat2(m / "nope", m / "x", 4) == errno.ENOENT
+    assert _renameat2(m / "c", m / "w", 4) == 0                       # WHITEOUT
+    assert _renameat2(m / "w", m / "b", 5) == errno.EEXIST            # NOREPLACE|WHITEOUT
+    (m / "g").mkdir()
+    os.chown(m / "g", 0, 4321)
+    os.chmod(m / "g", 0o2775)
+    (m / "g" / "f").write_bytes(b"G")
+    assert _renameat2(m / "g" / "f", m / "g" / "f2", 4) == 0
+    want = {"b": b"AAA", "w": b"BBBB", "g/f2": b"G"}
+    for d in ("g", "."):
+        fd = os.open(m / d, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    for crash in (False, True):
+        if crash:
+            m.kill()
+            m.mount()
+        else:
+            m.remount()
+        assert sorted(os.listdir(m.path)) == ["b", "c", "g", "w"]
+        assert sorted(os.listdir(m / "g")) == ["f", "f2"]
+        assert {k: (m / k).read_bytes() for k in want} == want
+        for wo, gid in (("c", 0), ("g/f", 4321)):
+            st_ = os.lstat(m / wo)
+            assert (stat.S_ISCHR(st_.st_mode), st_.st_rdev, st_.st_nlink, st_.st_uid,
+                    st_.st_gid) == (True, 0, 1, 0, gid), wo
+    os.unlink(m / "c")                                  # a whiteout is removed as a node is
+    (m / "c").write_bytes(b"again")
+    assert (m / "c").read_bytes() == b"again"
+
+
+def test_overlayfs_upper_directory_as_on_ext4(image):
+    """An overlayfs whose upper and work directories are on the mount (a container's
+    writable layer, a job's scratch over a read-only dataset): overlayfs mounts (it needs
+    RENAME_WHITEOUT and trusted xattrs of a FUSE upper), and deleting, renaming, copying up,
+    replacing a deleted directory (opaque) and hard links through it give what they give
+    with the upper directory on ext4, the merged view and the upper directory's whiteouts
+    alike; after a remount the overlay mounts again and shows the same."""
+    if "overlay" not in open("/proc/filesystems").read():
+        subprocess.run(["modprobe", "overlay"], capture_output=True)
+        if "overlay" not in open("/proc/filesystems").read():
+            missing("no overlayfs in this kernel")
+    show = """
+    show() {
+        (cd "$1" && find . -mindepth 1 | sort | while read -r p; do
+            printf '%s %s %s' "$p" "$(stat -c '%F %t:%T' "$p")" "$(getfattr --absolute-names \
+                --only-values -n trusted.overlay.opaque "$p" 2>/dev/null)"
+            [ -f "$p" ] && printf ' %s' "$(cat "$p")"; echo
+        done)
+    }
+    ov() { mount -t overlay overlay -o "lowerdir=$1/lower,upperdir=$1/upper,workdir=$1/work" \
+        "$1/merged"; }
+    """
+    on_host_and_mount(image, show + """
+    cd "$1"; mkdir lower upper work merged
+    mkdir -p lower/d/sub lower/keep; echo a > lower/a; echo b > lower/b; echo c > lower/d/sub/c
+    echo k > lower/keep/k
+    ov "$1"
+    rm merged/a; mv merged/b merged/b2; rm -r merged/d; mkdir merged/d; echo new > merged/d/n
+    echo more >> merged/keep/k; ln merged/keep/k merged/klink; echo top > merged/top
+    mv merged/top merged/keep/top; rm merged/klink
+    echo merged; show merged
+    umount "$1/merged"
+    echo upper; show upper | grep -v '^./work'
+    """, remount_check=show + """
+    ov "$1"; show "$1/merged"; umount "$1/merged"
+    """)
 
 
 #: ``x DIR A B``: renameat2(DIR/A, DIR/B, RENAME_EXCHANGE), printing ok or the error
