@@ -618,6 +618,20 @@ def test_capacity_stop_clears_after_space_freed(make_image, mount_image):
 
 
 # ------------------------------------------------------------------ 9. fsck honesty
+def test_fsck_of_a_mounted_image_or_its_mountpoint_says_what_to_do(mounted):
+    """fsck of a mounted image, or of the mountpoint an operator typed for it, is one line
+    that names the mount, the device, and ``retainzfs scrub`` for checking a mounted one
+    (the mountpoint got "is a directory, not a zoned device or image")."""
+    (mounted / "f").write_bytes(b"x")
+    for target, want in ((mounted.img, f"is mounted at {mounted.path}; unmount it before fsck"),
+                         (mounted.path, f"is a mounted retainzfs; fsck takes its unmounted "
+                                        f"device or image ({mounted.img})")):
+        p = fsck(target)
+        err = one_line_error(p, want)
+        assert p.returncode == 1 and "retainzfs scrub" in err, err
+    assert (mounted / "f").read_bytes() == b"x"
+
+
 def test_fsck_fails_when_replay_would_stop_early(mounted):
     """Damage in both copies of a frame in the middle of the log, and a torn last flush: fsck
     exits non-zero for each (and for a single repaired copy too)."""

@@ -274,7 +274,7 @@ def test_root_asking_a_users_mount_is_told_why_it_is_refused(as_nobody):
     assert p.returncode == 0 and "done" in out, (out, p.stderr)
     assert "status rc=1" in out
     assert f"Permission denied (mounted by uid {NOBODY} without allow_other" in out, out
-    assert "is mounted; unmount it before fsck" in out
+    assert "is mounted at" in out and "unmount it before fsck" in out
     assert "unmount it first" in out and "already mounted at" in out
     assert "Traceback" not in out
 

@@ -95,7 +95,8 @@ T = TypeVar("T")
 DAEMON_TIMEOUT = 10.0
 
 
-def _mount_source(mnt: str) -> str | None:
+def mount_source(mnt: str) -> str | None:
+    """The device or image mounted at ``mnt`` (a retainzfs mountpoint), or None."""
     want = os.path.abspath(mnt)
     return next((src for src, where, _ in retainzfs_mounts() if where == want), None)
 
@@ -132,7 +133,7 @@ def daemons_holding(path: str) -> list[int]:
 
 def daemon_pids(mnt: str) -> list[int]:
     """The mount daemons serving ``mnt`` (no stat of the mount)."""
-    src = _mount_source(mnt)
+    src = mount_source(mnt)
     return [] if src is None else daemons_holding(src)
 
 

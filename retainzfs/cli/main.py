@@ -10,7 +10,7 @@ import sys
 
 from .. import hints as H
 from .common import (DAEMON_TIMEOUT, ask_daemon, die, find_mount_of, is_retainzfs_mount,
-                     no_superblock_message, status_from_mount)
+                     mount_source, no_superblock_message, status_from_mount)
 
 
 
@@ -234,8 +234,14 @@ def _ranges(zs: list[int]) -> str:
 def cmd_fsck(args) -> int:
     """One line per inconsistency; non-zero exit for any.  --repair: print the plan, then do
     the safe repairs through a read-write open (the same recovery a mount runs)."""
-    if find_mount_of(args.target):
-        die(f"{args.target} is mounted; unmount it before fsck")
+    mnt = find_mount_of(args.target)
+    if mnt:
+        die(f"{args.target} is mounted at {mnt}; unmount it before fsck (`retainzfs scrub "
+            f"{mnt}` checks the data of a mounted one)")
+    if is_retainzfs_mount(args.target):      # the mountpoint given for the device
+        die(f"{args.target} is a mounted retainzfs; fsck takes its unmounted device or image "
+            f"({mount_source(args.target) or 'see mount'}); `retainzfs scrub {args.target}` "
+            f"checks the data of a mounted one")
     dev, store = _open_offline(args.target)
     try:
         problems, repairs = _fsck_findings(store)
