@@ -5,8 +5,8 @@ mount time.  A plain file (0-1 extents, no xattrs, not open) is one object with 
 its name and its entries in two dicts (``Store.inodes`` and the parent's ``entries``); what few
 inodes have lives in two side objects created on first use:
 
-* ``_x`` (``Extra``): rdev, symlink target, xattrs, a directory's entries / readdir index (``DirIndex``) / policy
-  text, the hint data were placed with;
+* ``_x`` (``Extra``): rdev, symlink target, xattrs, a directory's entries / readdir index
+  (``DirIndex``) / policy text, the hint data were placed with;
 * ``_rt`` (``RunState``): open-file state (opens, lookups, write buffer, in-flight flush, parked
   error, dirty flags), dropped again when the file is idle (closed, forgotten, nothing
   buffered or in flight).
