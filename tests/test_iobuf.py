@@ -711,7 +711,11 @@ def test_the_daemon_does_not_grow_with_repeated_parallel_saves_and_loads(make_im
         drop_caches()
         both(read, paths)
         seen.append(_rss_mib(m.pid))
-    assert seen[-1] - seen[1] < 40, f"daemon RSS by round (MiB): {[round(x) for x in seen]}"
+    # levels off: the last four rounds stay near the first four's peak (the pools and the
+    # allocator warm up over 2-4 rounds: 169 -> 233 MiB by round 4 in a stop-38 CI run, then
+    # 231-241; the stop-13 bug grew ~25 MiB every round, ~100 MiB over four)
+    assert max(seen[4:]) - max(seen[:4]) < 40, \
+        f"daemon RSS by round (MiB): {[round(x) for x in seen]}"
     with open(paths[3], "rb") as f:                  # and the bytes are still the bytes
         assert f.read(MiB) == req
 
