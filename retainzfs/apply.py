@@ -23,6 +23,14 @@ class RecordApplier:
         #: journal proves durable (None at run time)
         self.proofs = None
 
+    def _new_inode(self, i: int, mode: int):
+        """A record names inode ``i`` for the first time: make it, and keep the next inode
+        number past it."""
+        s = self.s
+        if i >= s.next_ino:
+            s.next_ino = i + 1
+        return s.inodes.new(i, mode)
+
     def apply(self, rtype: int, payload: bytes):
         """Apply one journal record to the store's memory; returns what the record made dead
         (a list of (zone, bytes, hint)) or the inode it wrote, depending on the type."""
@@ -32,9 +40,7 @@ class RecordApplier:
             i = r.fixed[0]
             inode = s.inodes.get(i)
             if inode is None:
-                inode = s.inodes.new(i, r.fixed[1])
-                if i >= s.next_ino:
-                    s.next_ino = i + 1
+                inode = self._new_inode(i, r.fixed[1])
             inode.set_rec(r)
             return inode
         if rtype == R.DIRENT_B:
@@ -90,8 +96,7 @@ class RecordApplier:
             d = R.unpack_json(payload)
             inode = s.inodes.get(d["i"])
             if inode is None:
-                inode = s.inodes.new(d["i"], d["m"])
-                s.next_ino = max(s.next_ino, d["i"] + 1)
+                inode = self._new_inode(d["i"], d["m"])
             inode.set_attrs(d)
             return inode
         if rtype == R.DIRENT_ADD:
@@ -128,8 +133,7 @@ class RecordApplier:
                 o.ctime = d["t"]
             elif d.get("w"):               # RENAME_WHITEOUT: a whiteout (char device 0/0)
                 i, uid, gid = d["w"]       # takes the first name
-                w = s.inodes.new(i, stat.S_IFCHR)
-                s.next_ino = max(s.next_ino, i + 1)
+                w = self._new_inode(i, stat.S_IFCHR)
                 w.uid, w.gid = uid, gid
                 w.atime = w.mtime = w.ctime = d["t"]
                 w.parent, w.name = op.ino, on

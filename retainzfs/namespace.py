@@ -729,12 +729,6 @@ class Inode:
             x.index = DirIndex(x.entries)
         return x.index
 
-    @property
-    def cookies(self) -> dict:
-        """name -> stable readdir cookie (``DirIndex``, built on the first use)."""
-        ix = self._index()
-        return EMPTY_MAP if ix is None else ix.cookies
-
     def entries_after(self, start: int, limit: int | None = None) -> list[tuple[bytes, int]]:
         """``DirIndex.after``: the entries past cookie ``start``, at most ``limit``."""
         ix = self._index()

@@ -623,9 +623,11 @@ def test_fsck_of_a_mounted_image_or_its_mountpoint_says_what_to_do(mounted):
     that names the mount, the device, and ``retainzfs scrub`` for checking a mounted one
     (the mountpoint got "is a directory, not a zoned device or image")."""
     (mounted / "f").write_bytes(b"x")
+    link = mounted.path.parent / "mnt-link"      # the mountpoint through a symlink
+    link.symlink_to(mounted.path)
+    as_mount = f"is a mounted retainzfs; fsck takes its unmounted device or image ({mounted.img})"
     for target, want in ((mounted.img, f"is mounted at {mounted.path}; unmount it before fsck"),
-                         (mounted.path, f"is a mounted retainzfs; fsck takes its unmounted "
-                                        f"device or image ({mounted.img})")):
+                         (mounted.path, as_mount), (link, as_mount)):
         p = fsck(target)
         err = one_line_error(p, want)
         assert p.returncode == 1 and "retainzfs scrub" in err, err

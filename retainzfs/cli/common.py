@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import sys
@@ -10,6 +11,7 @@ from fractions import Fraction
 from typing import Callable, NoReturn, TypeVar
 
 from ..device import unescape_mount_field
+from ..hints import XATTR_STATUS
 from ..superblock import MIN_META_ZONES
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -96,9 +98,11 @@ DAEMON_TIMEOUT = 10.0
 
 
 def mount_source(mnt: str) -> str | None:
-    """The device or image mounted at ``mnt`` (a retainzfs mountpoint), or None."""
-    want = os.path.abspath(mnt)
-    return next((src for src, where, _ in retainzfs_mounts() if where == want), None)
+    """The device or image mounted at ``mnt`` (a retainzfs mountpoint), or None.  As in
+    ``is_retainzfs_mount``, the plain absolute form first (resolving stats the mountpoint)."""
+    mounts = {where: src for src, where, _ in retainzfs_mounts()}
+    src = mounts.get(os.path.abspath(mnt))
+    return src if src is not None else mounts.get(os.path.realpath(mnt))
 
 
 def daemons_holding(path: str) -> list[int]:
@@ -181,11 +185,7 @@ def ask_daemon(mnt: str, what: str, fn: Callable[[], T],
 def status_from_mount(mnt: str, timeout: float = DAEMON_TIMEOUT) -> dict:
     """The mounted daemon's status JSON (the ``retainz.status`` xattr of its root), with the
     deadline of ``ask_daemon``; a one-line error when the mount cannot answer."""
-    import json
-
-    import xattr
-
-    from ..hints import XATTR_STATUS
+    import xattr        # here: ``mount.retainzfs`` imports this module and never needs it
     try:
         return json.loads(ask_daemon(mnt, "the status request",
                                      lambda: xattr.getxattr(mnt, XATTR_STATUS.decode()), timeout))

@@ -7,11 +7,9 @@ import math
 import os
 import sys
 
-
 from .. import hints as H
 from .common import (DAEMON_TIMEOUT, ask_daemon, die, find_mount_of, is_retainzfs_mount,
                      mount_source, no_superblock_message, status_from_mount)
-
 
 
 def _open_offline(target: str, readonly: bool = True):
