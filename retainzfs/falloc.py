@@ -64,7 +64,7 @@ class Falloc:
         end = off + length
         if zero:
             self._room(ino, off, end)
-        s.files.write_out(ino)
+        s.flushes.write_out(ino)
         with s.io_lock:
             with s.lock:
                 inode = s.ns.get_locked(ino)

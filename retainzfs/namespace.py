@@ -924,23 +924,6 @@ class Inode:
         return ino
 
     # -- the JSON form (format v2 images written before the binary records; still read)
-    def attrs(self) -> dict:
-        d = {"i": self.ino, "m": self.mode, "u": self.uid, "g": self.gid, "n": self.nlink,
-             "s": self.durable_size(), "a": self.atime, "mt": self.mtime, "c": self.ctime, "r": self.rdev,
-             "p": self.parent, "nm": self.name.decode("latin-1")}
-        if self.target:
-            d["t"] = self.target.decode("latin-1")
-        if self.xattrs:
-            d["x"] = {k.decode("latin-1"): v.decode("latin-1") for k, v in self.xattrs.items()}
-        if self.hint is not None:
-            d["h"] = [self.hint.birth, self.hint.reclaim, self.hint.stream, self.hint.source]
-        if self.policy_src:
-            d["ps"] = self.policy_src.decode("utf-8")
-        if self.placed_hint is not None:
-            p = self.placed_hint
-            d["hp"] = [p.birth, p.reclaim, p.stream, p.source]
-        return d
-
     def set_attrs(self, d: dict) -> None:
         self.mode, self.nlink = d["m"], d["n"]
         self._set_ug(d["u"], d["g"])

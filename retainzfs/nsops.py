@@ -4,8 +4,8 @@ side of reclaim hints (``.retainz`` policies in force, hint resolution, re-deriv
 Every method here either takes ``Store.lock`` itself (the public ones, called by the facade) or
 needs it held (``_locked``); none does device I/O except what it delegates: a ``.retainz`` is read
 through the data path, deletions queue zones for the reclaim part, which resets them after the
-caller released the lock, and ``room`` (before an operation that adds metadata, no lock held)
-may flush the journal under ``io_lock`` when its last pair nears full.  State mutations are
+caller released the lock, and ``MetaRoom.check`` (before an operation that adds metadata, no lock
+held) may flush the journal under ``io_lock`` when its last pair nears full.  State mutations are
 journal records applied by ``Store.do_locked``.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from . import hints as H
 from . import records as R
 from .errors import FsError
 from .namespace import ROOT_INO, Attrs, Inode
+from .room import MetaRoom
 
 log = logging.getLogger("retainzfs")
 
@@ -41,7 +42,7 @@ def fmt_hint(h: float):
 class NamespaceOps:
     def __init__(self, store):
         self.s = store
-        self._said_full = False         # the metadata-full warning, once per episode
+        self.meta_room = MetaRoom(store)   # before an operation that adds metadata
 
     # ------------------------------------------------------------------ helpers (lock held)
     def get_locked(self, ino: int) -> Inode:
@@ -176,32 +177,6 @@ class NamespaceOps:
                 return
         s.commit(ino, durable=True, check_policy=False)
 
-    def room(self) -> None:
-        """ENOSPC for an operation that adds metadata (a name, an xattr) while the metadata
-        zones can take no more (``Journal.tight``): refused, as ext4 refuses a create with no
-        inode left, instead of accepted and then lost because no journal flush could write it
-        (600,000 creates on a 64 MiB image were all acknowledged; 240,076 were there after a
-        remount).  No lock held: near the end of the log's last pair a journal flush decides
-        first (it rolls if a snapshot fits with room to spare; while tight, throttled)."""
-        s = self.s
-        with s.lock:
-            if s.journal.growth_ok():
-                self._said_full = False
-                return
-        with s.io_lock:             # while tight, a roll is tried again now and then
-            try:
-                s.journal_flush_iolocked(sync=False)
-            except OSError as e:
-                if e.errno != errno.ENOSPC:
-                    raise
-        if s.journal.tight:
-            if not self._said_full:
-                self._said_full = True
-                log.warning("metadata zones full (%d inodes): new names and xattrs fail with "
-                            "ENOSPC until files are deleted (mkfs --meta-zones)", len(s.inodes))
-            raise FsError(errno.ENOSPC, "metadata zones full: delete files, or mkfs with more "
-                                        "--meta-zones")
-
     def new_inode_locked(self, parent: Inode, name: bytes, mode: int, uid: int, gid: int,
                          target: bytes = b"", rdev: int = 0, umask: int = 0) -> Inode:
         """A new node; its mode less the ``umask``, or, in a directory with a default ACL
@@ -234,7 +209,7 @@ class NamespaceOps:
 
     def create(self, parent: int, name: bytes, mode: int, uid: int = 0, gid: int = 0,
                umask: int = 0) -> Inode:
-        self.room()
+        self.meta_room.check()
         with self.s.lock:
             p = self.dir_locked(parent)
             return self.new_inode_locked(p, name, stat.S_IFREG | (mode & 0o7777), uid, gid,
@@ -242,14 +217,14 @@ class NamespaceOps:
 
     def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int = 0,
               gid: int = 0, umask: int = 0) -> Inode:
-        self.room()
+        self.meta_room.check()
         with self.s.lock:
             p = self.dir_locked(parent)
             return self.new_inode_locked(p, name, mode, uid, gid, rdev=rdev, umask=umask)
 
     def mkdir(self, parent: int, name: bytes, mode: int, uid: int = 0, gid: int = 0,
               umask: int = 0) -> Inode:
-        self.room()
+        self.meta_room.check()
         with self.s.lock:
             p = self.dir_locked(parent)
             return self.new_inode_locked(p, name, stat.S_IFDIR | (mode & 0o7777), uid, gid,
@@ -257,14 +232,14 @@ class NamespaceOps:
 
     def symlink(self, parent: int, name: bytes, target: bytes, uid: int = 0,
                 gid: int = 0) -> Inode:
-        self.room()
+        self.meta_room.check()
         with self.s.lock:
             p = self.dir_locked(parent)
             return self.new_inode_locked(p, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
 
     def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
         s = self.s
-        self.room()
+        self.meta_room.check()
         with s.lock:
             inode = self.get_locked(ino)
             if inode.is_dir:
@@ -355,7 +330,7 @@ class NamespaceOps:
         if flags & ~(RENAME_NOREPLACE | (RENAME_WHITEOUT if whiteout else 0)):
             raise FsError(errno.EINVAL)   # (before stop 38 a WHITEOUT was EINVAL: overlayfs
         if whiteout:                      # refused the mount as an upper directory)
-            self.room()
+            self.meta_room.check()
         if not flags & RENAME_NOREPLACE:
             self._durable_before_replace(old_parent, old_name, new_parent, new_name)
         with s.lock:

@@ -1,24 +1,20 @@
-"""Open files: write buffers, the in-flight background flush, the parked flush error.
+"""Open files: open counts, write buffers and the bounds on what they hold, truncate.
 
-Owns the ``rz-flush`` workers (four; at most two zone writes of a file in flight,
-``Inode.flushing``/``flushing_prev``) and the per-inode buffer state (``wbuf``, ``inflight``,
-``flush_turn``, ``flush_err``, ``dirty``), and the bounds on buffered bytes that the kernel
-keeps for its own dirty pages: all files together hold at most ``StoreOptions.dirty_bytes``
-(past it a writer writes its own buffer out before it returns: the daemon's memory does not
-grow with the number of files being written), and a buffer older than
+Owns the per-inode buffer state (``wbuf``, ``dirty``, ``opens``) and the bounds on buffered
+bytes that the kernel keeps for its own dirty pages: all files together hold at most
+``StoreOptions.dirty_bytes`` (past it a writer writes its own buffer out before it returns: the
+daemon's memory does not grow with the number of files being written), and a buffer older than
 ``StoreOptions.dirty_expire`` seconds is committed by the periodic sync (``writeback``: a file
 held open and written slowly, a training log, is on the device within that time, as ext4
-writes dirty pages back within 30 s).  Buffered bytes go to zones through the data path's
-write loop (``flush_data``: take bytes and a turn under Store.lock, stage them with no lock,
-wait for the turn, then io_lock, then Store.lock for the bookkeeping).  ``buffer_write``,
-``flush_clean`` and ``release_clean`` are the CPU-only fast paths: Store.lock only, no I/O.
+writes dirty pages back within 30 s).  Buffered bytes go to zones through ``flushes.Flushes``
+(the ``rz-flush`` workers, turns, parked errors); near a full device ``room.Room`` decides
+what may stay buffered.  ``buffer_write``, ``flush_clean`` and ``release_clean`` are the
+CPU-only fast paths: Store.lock only, no I/O.
 """
 from __future__ import annotations
 
 import errno
-import logging
 import stat
-import threading
 import time
 from time import time_ns as now_ns
 
@@ -26,11 +22,6 @@ from . import hints as H
 from . import records as R
 from .errors import FsError
 from .room import Room
-from .workers import Workers
-
-log = logging.getLogger("retainzfs")
-
-FLUSH_WORKERS = 4
 #: a write this far past the end of a file's buffered bytes, over a hole, joins the buffer with
 #: zeros between (``OpenFiles.gap_locked``) rather than ending it
 GAP_MAX = 64 << 10
@@ -39,13 +30,6 @@ GAP_MAX = 64 << 10
 class OpenFiles:
     def __init__(self, store):
         self.s = store
-        # Full write buffers go to zones in the background while FUSE keeps accepting writes.
-        # Four workers: staging (copy, checksums) and the device write run without locks
-        # (io_lock only to place), so several files' 4 MiB writes are on the disk at once:
-        # 2.7 in flight on average with 8 writers (1.4 with two workers).
-        # (``workers.Workers``: started at INIT; fewer under a pids limit, none: writers flush)
-        self.flusher = Workers(FLUSH_WORKERS, "rz-flush")
-        self._busy = 0                        # background flushes queued or running (Store.lock)
         # Store.lock: memory in write buffers, their bytes and the arena room their parts
         # keep alive (``WriteBuffer.slack``; added on append, taken off when a flush drops
         # them; a buffer cleared otherwise is taken off at the next ``writeback`` recount, so
@@ -169,18 +153,33 @@ class OpenFiles:
             self.dirty_since[ino] = time.monotonic()
         self.buffered += n
 
+    def dropped_locked(self, inode, n: int) -> None:
+        """A flush wrote the first ``n`` bytes of the file's buffer: drop them and count
+        them off.  Store.lock held."""
+        assert self.s.lock._is_owned(), "dropped_locked without Store.lock"
+        wb = inode.wbuf
+        slack = wb.slack
+        wb.drop(n)
+        self.buffered = max(0, self.buffered - n - slack + wb.slack)
+        if not wb and not inode.inflight:
+            # holds nothing now: no longer a file that may need a zone of its own
+            # (``Room.room_locked`` counts these); left for the periodic writeback, 500 small
+            # files closed within its second left no room on a 2 GiB image and every write
+            # went through
+            self.dirty_since.pop(inode.ino, None)
+
     def write(self, ino: int, off: int, data: bytes) -> int:
         n = len(data)
         if n == 0:
             return 0
-        s = self.s
+        s, fl = self.s, self.s.flushes
         # An earlier background flush's error (parked) is this write's, reported before its
         # bytes are taken (else the write failed with its bytes kept in the file's size); on
         # a full device, after waiting for that flush.
         if s.capacity_stop:
-            self.wait_flush(ino)
+            fl.wait_flush(ino)
         else:
-            self.check_flush_error(ino)
+            fl.check_flush_error(ino)
         drained = False
         while True:
             need_flush = False
@@ -216,72 +215,22 @@ class OpenFiles:
                 drained = True
                 continue
             if need_flush:
-                self.flush_data(ino, final=True)
+                fl.flush_data(ino, final=True)
                 continue
             if through:
                 # lands now or fails with ENOSPC itself; its bytes are dropped on failure,
                 # and so when an earlier flush failed meanwhile (its error is then this
                 # write's)
                 landed = self.room.write_through(ino, off, n)
-                self.check_flush_error(ino)
+                fl.check_flush_error(ino)
                 return landed
             elif over:
                 # all buffers together are at the bound: this writer's bytes go out before it
                 # returns (throttled to the device, as the kernel throttles a dirtier)
-                self.flush_data(ino, final=False)
+                fl.flush_data(ino, final=False)
             elif full:
-                self.flush_background(ino)
+                fl.flush_background(ino)
             return n
-
-    def flush_background(self, ino: int) -> None:
-        """Queue a zone write of the full buffer.  At most two flushes of a file in flight, the
-        second only while a flusher is free: then one stages the next chunk while the other
-        writes, even for a single file; with many files, each keeps one (bounded RAM).
-        With ``StoreOptions.inline_flush`` the caller's thread flushes, in turn."""
-        s = self.s
-        if s.opts.inline_flush or not self.flusher.size:
-            self.flush_data(ino, final=False)
-            return
-        with s.lock:
-            inode = s.inodes.get(ino)
-            if inode is None:
-                return
-            prev, older = inode.flushing, inode.flushing_prev
-        if older is not None:
-            older.result()                    # never three chunks of one file in flight
-        if prev is not None and self._busy >= self.flusher.size:
-            prev.result()
-        self.check_flush_error(ino)
-        with s.lock:
-            inode = s.inodes.get(ino)
-            if inode is None:
-                return
-            fut = self.flusher.submit(self._bg_flush, ino)
-            if fut is not None:
-                self._busy += 1
-                inode.flushing_prev = inode.flushing
-                inode.flushing = fut
-                return
-        self.flush_data(ino, final=False)         # shut down (unmount): this thread flushes
-
-    def _bg_flush(self, ino: int) -> None:
-        s = self.s
-        try:
-            self.flush_data(ino, final=False)
-        except OSError as e:
-            with s.lock:
-                inode = s.inodes.get(ino)
-                if inode is not None:
-                    inode.flush_err = e
-        except Exception as e:                # never lose an error silently
-            log.exception("background flush of inode %d", ino)
-            with s.lock:
-                inode = s.inodes.get(ino)
-                if inode is not None:
-                    inode.flush_err = FsError(errno.EIO, str(e))
-        finally:
-            with s.lock:
-                self._busy -= 1
 
     def writeback(self) -> None:
         """Commit the files whose buffered bytes are older than ``dirty_expire`` (the periodic
@@ -313,132 +262,6 @@ class OpenFiles:
                     if inode is not None and inode.flush_err is None:
                         inode.flush_err = e
 
-    def wait_flush(self, ino: int) -> None:
-        """Wait for the file's background flushes and raise their error, if any.  Both of
-        them: the one before the latest has written (its turn passed) but its future may not
-        be marked done yet, and a close that left it so kept both futures (``shed_finished``
-        drops only done ones) until the kernel forgot the file."""
-        s = self.s
-        with s.lock:
-            inode = s.inodes.get(ino)
-            futs = (inode.flushing_prev, inode.flushing) if inode is not None else ()
-        for fut in futs:
-            if fut is not None:
-                fut.result()
-        self.check_flush_error(ino)
-
-    def write_out(self, ino: int) -> None:
-        """All of the file's bytes in zones: its background flushes waited for (their error
-        raised) and the rest of its buffer written, a partial last block padded.  What a
-        close, an fsync, a truncate, a hole punched and a device near full need first."""
-        self.wait_flush(ino)
-        self.flush_data(ino, final=True)
-
-    def check_flush_error(self, ino: int) -> None:
-        s = self.s
-        with s.lock:
-            inode = s.inodes.get(ino)
-            err = inode.flush_err if inode is not None else None
-            if err is not None:
-                inode.flush_err = None
-        if err is not None:
-            raise FsError(err.errno or errno.EIO, str(err))
-
-    def flush_data(self, ino: int, final: bool) -> None:
-        """Move buffered bytes of a file to zones (whole blocks unless ``final``).
-
-        A flush *takes* the buffered bytes after those earlier flushes took (``inflight``)
-        and its turn (``flush_turn``) under Store.lock, stages them with no lock (copied for
-        O_DIRECT, checksummed) so that overlaps another device write, even one of the same
-        file, then waits for the flush before it to finish and writes under io_lock.  So the
-        flushes of a file write, and drop their bytes from the buffer's front, in the order
-        they took them; a ``final`` flush returns after all earlier ones.  A flush whose bytes
-        were dropped meanwhile (an earlier one failed, the file was freed) writes nothing.
-        Lock order: io_lock, then Store.lock; turns are waited for holding neither."""
-        s = self.s
-        assert not s.io_lock._is_owned(), "flush_data under io_lock (it may wait for a turn)"
-        with s.lock:
-            inode = s.inodes.get(ino)
-            if inode is None:
-                return
-            wb = inode.wbuf
-            lo = inode.inflight
-            n = len(wb) - lo
-            if not final:
-                n -= n % s.bs
-            prev = inode.flush_turn
-            if n <= 0:
-                data = None
-            else:
-                if inode.hint is None:
-                    inode.hint = s.hints.resolve_locked(inode)
-                    if inode.hint.birth > s.now:
-                        s.now = inode.hint.birth
-                hint = inode.hint
-                data = wb.take(lo, n)
-                off = wb.off + lo
-                epoch = inode.flush_epoch
-                inode.inflight = lo + n                    # taken: from here on, written or
-                mine = inode.flush_turn = threading.Event()  # dropped, never left behind
-        if data is None:                      # nothing new: just be after the earlier ones
-            if prev is not None:
-                prev.wait()
-            return
-        done = False
-        try:
-            try:
-                staged = s.data.stage(data)
-            except MemoryError:
-                staged = None                 # written from the scatter list instead
-            if prev is not None:
-                prev.wait()
-            with s.lock:
-                inode = s.inodes.get(ino)
-                if (inode is None or inode.wbuf is not wb or inode.flush_epoch != epoch
-                        or wb.off != off):
-                    done = True               # dropped meanwhile: nothing of ours to write
-                    return
-            # io_lock only to place: the device write runs in parallel with other flushes
-            s.data.write(ino, off, data, hint, staged=staged)
-            done = True
-            with s.lock:
-                inode = s.inodes.get(ino)
-                if inode is not None and inode.wbuf is wb:
-                    inode.inflight = max(0, inode.inflight - n)
-                    if wb.off == off:
-                        slack = wb.slack
-                        wb.drop(n)
-                        self.buffered = max(0, self.buffered - n - slack + wb.slack)
-                        if not wb and not inode.inflight:
-                            # holds nothing now: no longer a file that may need a zone of
-                            # its own (``Room.room_locked`` counts these); left for the
-                            # periodic writeback, 500 small files closed within its second
-                            # left no room on a 2 GiB image and every write went through
-                            self.dirty_since.pop(ino, None)
-            if s._want_journal_flush:
-                with s.io_lock:
-                    s.maybe_flush_journal_iolocked()
-        except BaseException:
-            if not done:          # drop the uncommittable bytes; committed data stay intact
-                with s.lock:
-                    inode = s.inodes.get(ino)
-                    if inode is not None and inode.wbuf is wb:
-                        wb.clear()
-                        inode.inflight = 0
-                        inode.flush_epoch += 1
-                        # back to the size before the dropped bytes (a size set by
-                        # truncate stays: a sparse file does not shrink to its extents)
-                        inode.size = max(wb.size0,
-                                         max((e.end for e in inode.extents), default=0))
-            raise
-        finally:
-            mine.set()
-            with s.lock:                # passed: nothing after it waits for it (memory)
-                inode = s.inodes.get(ino)
-                if inode is not None and inode.flush_turn is mine:
-                    inode.flush_turn = None
-        s.reclaim.reset_empty_zones()
-
     def truncate(self, ino: int, size: int, grow_only: bool = False,
                  touch: bool = False, kill_priv: bool = False) -> None:
         """Set the size; ``grow_only``: never below the size it has when the locks are held
@@ -447,7 +270,7 @@ class OpenFiles:
         empty file, as on ext4); ``kill_priv``: clear set-user-ID, and set-group-ID with
         group execute, in the same inode record."""
         s = self.s
-        self.write_out(ino)
+        s.flushes.write_out(ino)
         with s.io_lock:
             with s.lock:
                 inode = s.ns.get_locked(ino)

@@ -10,7 +10,8 @@ store's state through it:
 * ``ns``      nsops.NamespaceOps   namespace operations and their POSIX rules
 * ``xattrs``  xattrops.XattrOps    user, hint and virtual (computed) extended attributes
 * ``hints``   nsops.StoreHints     ``.retainz`` policies in force, hint resolution (hints.py)
-* ``files``   openfiles.OpenFiles  write buffers, the background flush, parked errors
+* ``files``   openfiles.OpenFiles  open counts, write buffers and their bounds, truncate
+* ``flushes`` flushes.Flushes      buffered bytes to zones in order, rz-flush, parked errors
 * ``falloc``  falloc.Falloc        fallocate(2): room checks, holes (PUNCH records)
 * ``data``    datapath.DataPath    placement, THE write loop (data and GC copies)
 * ``reads``   readpath.ReadPath    verified reads (lock-free against resets), readahead
@@ -60,6 +61,7 @@ from .namespace import ROOT_INO, Inode
 from .nsops import NAME_MAX, NamespaceOps, StoreHints
 from .xattrops import XattrOps
 from .falloc import Falloc
+from .flushes import Flushes
 from .openfiles import OpenFiles
 from .reclaim import Reclaim
 from .stats import LatencyHistogram, StoreStats
@@ -201,6 +203,7 @@ class Store:
         self.xattrs = XattrOps(self)
         self.hints = StoreHints(self)
         self.files = OpenFiles(self)
+        self.flushes = Flushes(self)
         self.falloc = Falloc(self)
         self.data = DataPath(self)
         self.reads = ReadPath(self)
@@ -322,7 +325,7 @@ class Store:
     # fallocate(2), falloc.Falloc
     allocate = _Via("falloc")
     punch = _Via("falloc")
-    _flush_data = _Via("files", "flush_data")
+    _flush_data = _Via("flushes", "flush_data")
     # data path, datapath.DataPath; reads, readpath.ReadPath
     read = _Via("reads")
     read_cached = _Via("reads")
@@ -351,12 +354,12 @@ class Store:
 
     def start_workers(self) -> None:
         """Start the flush and readahead threads (else at their first use)."""
-        self.files.flusher.start()
+        self.flushes.workers.start()
         self.reads.ra.pool.start()
 
     @property
     def _flusher(self):
-        return self.files.flusher
+        return self.flushes.workers
 
     # ------------------------------------------------------------------ commit / sync ordering
     def maybe_flush_journal_iolocked(self) -> None:
@@ -432,7 +435,7 @@ class Store:
     def commit(self, ino: int, durable: bool, check_policy: bool = True) -> None:
         """close(2) (durable=False) or fsync (durable=True): data + extents + attributes out."""
         t0 = time.perf_counter()
-        self.files.write_out(ino)
+        self.flushes.write_out(ino)
         policy_error = None
         with self.io_lock:
             with self.lock:
@@ -501,7 +504,7 @@ class Store:
                 self.commit(ino, durable=False)
             except OSError as e:
                 log.error("unmount: could not commit inode %d: %s", ino, e)
-        self.files.flusher.shutdown(wait=True)
+        self.flushes.workers.shutdown(wait=True)
         self.reads.ra.close()
         if self.failed is None:
             try:

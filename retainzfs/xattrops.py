@@ -56,7 +56,7 @@ class XattrOps:
             raise FsError(errno.EOPNOTSUPP, "xattrs are user., trusted. or security. names")
         if not rest:
             raise FsError(errno.EINVAL)
-        self.s.ns.room()
+        self.s.ns.meta_room.check()
         with self.s.lock:
             inode = self.s.ns.get_locked(ino)
             if name in H.VIRTUAL_XATTRS:
@@ -99,7 +99,7 @@ class XattrOps:
         if not s.acls:
             raise FsError(errno.EOPNOTSUPP, "POSIX ACLs are off (mount -o noacl, or a "
                                             "kernel without FUSE_POSIX_ACL)")
-        self.s.ns.room()
+        self.s.ns.meta_room.check()
         with s.lock:
             inode = s.ns.get_locked(ino)
             if create and name in inode.xattrs:

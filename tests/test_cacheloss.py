@@ -62,7 +62,7 @@ class CutMachine(RuleBasedStateMachine):
 
     def teardown(self):
         try:
-            self.s.files.flusher.shutdown(wait=True)
+            self.s.flushes.workers.shutdown(wait=True)
             self.dev.close()
         finally:
             shutil.rmtree(self.tmp, ignore_errors=True)
@@ -144,7 +144,7 @@ class CutMachine(RuleBasedStateMachine):
         if frames:                           # the periodic flush wrote its frame, no flush yet
             with s.io_lock:
                 s.journal_flush_iolocked(sync=False)
-        s.files.flusher.shutdown(wait=True)
+        s.flushes.workers.shutdown(wait=True)
         crashed = self._new_path()
         if lose_journal:                     # everything since the last flush lost, in order
             shutil.copyfile(self.cache.flushed_image, crashed)
@@ -211,7 +211,7 @@ def _new_store(tmp_path) -> tuple:
 
 def _cut(tmp_path, dev, s: Store, cache: DataCacheLoss) -> tuple:
     """The power cut ``cache`` models, then the mount: (device, Store) of the image it left."""
-    s.files.flusher.shutdown(wait=True)
+    s.flushes.workers.shutdown(wait=True)
     crashed = str(tmp_path / "crashed")
     cache.crashed_copy(crashed)
     dev.close()
@@ -248,7 +248,7 @@ def test_only_bytes_no_flush_covered_are_dropped(tmp_path, flushed):
             assert s.getattr(ino).size == 0 and s.read(ino, 0, len(a)) == b""
             assert s.lost_writes["files"] == ["/a", "/b"] and s.lost_writes["bytes"] == 205_000
     finally:
-        s.files.flusher.shutdown(wait=True)
+        s.flushes.workers.shutdown(wait=True)
         dev.close()
 
 
@@ -314,7 +314,7 @@ def test_a_power_cut_inside_a_gc_pass_keeps_every_fsynced_file(tmp_path):
             ino = s.lookup(ROOT, name).ino
             assert s.read(ino, 0, len(data) + 1) == data, name
     finally:
-        s.files.flusher.shutdown(wait=True)
+        s.flushes.workers.shutdown(wait=True)
         dev.close()
 
 

@@ -370,7 +370,7 @@ def test_lock_discipline_is_asserted(tmp_path):
             call()
     with s.io_lock:                   # a flush may wait for its turn: never under io_lock
         with pytest.raises(AssertionError):
-            s.files.flush_data(ino, final=True)
+            s.flushes.flush_data(ino, final=True)
         with pytest.raises(AssertionError):  # file data: io_lock only to place, taken inside
             s.data.write(ino, 0, Chunks([b"x"]), H.UNHINTED)
     with s.lock:                      # Store.lock alone does not make io_lock functions legal
@@ -707,7 +707,7 @@ def test_a_second_flush_of_a_file_never_takes_the_prefix_being_staged(tmp_path):
         return real(chunks)
 
     s.data.stage = slow_stage
-    a = threading.Thread(target=s.files.flush_data, args=(ino, False))
+    a = threading.Thread(target=s.flushes.flush_data, args=(ino, False))
     a.start()
     assert entered.wait(10)
     b = threading.Thread(target=s.commit, args=(ino, True))
@@ -1136,7 +1136,7 @@ def test_a_rename_over_a_file_keeps_old_or_new_contents_after_a_power_cut(tmp_pa
     s.rename(ROOT, b"model.pt.tmp", ROOT, b"model.pt")
     with s.io_lock:                    # the rename's frame written, no device flush after it
         s.journal_flush_iolocked(sync=False)
-    s.files.flusher.shutdown(wait=True)
+    s.flushes.workers.shutdown(wait=True)
     crashed = str(tmp_path / "crashed.zns")
     cache.crashed_copy(crashed)
     dev.close()

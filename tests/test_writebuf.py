@@ -122,7 +122,7 @@ def test_store_buffers_at_most_4_mib_and_reads_back(tmp_path_factory, writes, du
         if not (loop and s.buffer_write(ino, len(model), data) == n):
             assert s.write(ino, len(model), data) == n
         model += data
-        s.files.wait_flush(ino)
+        s.flushes.wait_flush(ino)
         inode = s.inodes[ino]
         assert len(inode.wbuf) < FLUSH_BYTES and inode.inflight == 0
         assert s.getattr(ino).size == len(model)

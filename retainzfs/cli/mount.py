@@ -466,7 +466,7 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
         store.tuning["dirty_expire"] = store.opts.dirty_expire
         store.tuning["memory"] = budget.as_dict()
         store.tuning["workers"] = {                     # (started at INIT: fewer under pids.max)
-            "flush": store.files.flusher.size, "flush_wanted": store.files.flusher.wanted,
+            "flush": store.flushes.workers.size, "flush_wanted": store.flushes.workers.wanted,
             "readahead": store.reads.ra.pool.size, "readahead_wanted": store.reads.ra.pool.wanted}
         log.info("mounted %s on %s (allocator=%s, read_ahead_kb=%s, image_io=%s)", target, mnt,
                  store.opts.allocator, ra, store.tuning["image_io"])
