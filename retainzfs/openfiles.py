@@ -22,6 +22,7 @@ from . import hints as H
 from . import records as R
 from .errors import FsError
 from .room import Room
+
 #: a write this far past the end of a file's buffered bytes, over a hole, joins the buffer with
 #: zeros between (``OpenFiles.gap_locked``) rather than ending it
 GAP_MAX = 64 << 10
