@@ -107,8 +107,9 @@ big_size = st.one_of(around(BS, FLUSH_BYTES - BS, FLUSH_BYTES, FLUSH_BYTES + BS,
 @given(st.lists(st.tuples(big_size, st.booleans()), min_size=1, max_size=5), st.booleans())
 def test_store_buffers_at_most_4_mib_and_reads_back(tmp_path_factory, writes, durable):
     """Writes of sizes around 4 KiB and 4 MiB, buffered (``buffer_write``, the fast path)
-    or not: a file never holds a full 4 MiB of unplaced bytes after a write returns, reads see
-    every byte before and after commit, and a remount reads the same file."""
+    or not: a file never holds a full 4 MiB of unplaced bytes after a write returns, the
+    bytes counted against the buffer bounds are the buffer's, reads see every byte before and
+    after commit, and a remount reads the same file."""
     d = tmp_path_factory.mktemp("wb")
     path = str(d / "s.zns")
     dev = create_image(path, 64 * MiB, 2 * MiB, max_open=6, max_active=8)
@@ -125,11 +126,16 @@ def test_store_buffers_at_most_4_mib_and_reads_back(tmp_path_factory, writes, du
         s.flushes.wait_flush(ino)
         inode = s.inodes[ino]
         assert len(inode.wbuf) < FLUSH_BYTES and inode.inflight == 0
+        # what the bounds count (``OpenFiles.buffered``, ``dirty_since``) is what the buffer
+        # holds once its flushes are done (a flush hands back through ``dropped_locked``)
+        assert s.files.buffered == (len(inode.wbuf) + inode.wbuf.slack if inode.wbuf else 0)
+        assert (ino in s.files.dirty_since) == bool(inode.wbuf)
         assert s.getattr(ino).size == len(model)
         assert s.read(ino, 0, len(model)) == bytes(model)
     s.commit(ino, durable=durable)
     inode = s.inodes[ino]
     assert not inode.wbuf and sum(e.length for e in inode.extents) == len(model)
+    assert s.files.buffered == 0 and not s.files.dirty_since
     assert s.read(ino, 0, len(model) + 10) == bytes(model)
     s.release(ino)
     assert s.check() == []
