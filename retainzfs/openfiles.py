@@ -75,7 +75,8 @@ class OpenFiles:
     def release_clean(self, ino: int) -> bool:
         """``Store.release`` without its commit when that has nothing to do (the usual
         RELEASE after a close's FLUSH wrote the file): the open count, the allocator's writer,
-        freeing an unlinked file.  Store.lock only, no I/O; False: call ``Store.release``.  A freed file may leave zones to reset (``Store.reset_pending``)."""
+        freeing an unlinked file.  Store.lock only, no I/O; False: call ``Store.release``.
+        A freed file may leave zones to reset (``Store.reset_pending``)."""
         s = self.s
         with s.lock:
             inode = s.inodes.get(ino)
