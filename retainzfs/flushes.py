@@ -27,6 +27,9 @@ FLUSH_WORKERS = 4
 
 
 class Flushes:
+    """A file's buffered bytes to zones, in order: in the background (``flush_background``)
+    or in the caller's thread (``flush_data``, ``write_out``)."""
+
     def __init__(self, store):
         self.s = store
         # Full write buffers go to zones in the background while FUSE keeps accepting writes.

@@ -22,7 +22,6 @@ from . import hints as H
 from . import records as R
 from .errors import FsError
 from .namespace import ROOT_INO, Attrs, Inode
-from .room import MetaRoom
 
 log = logging.getLogger("retainzfs")
 
@@ -42,7 +41,6 @@ def fmt_hint(h: float):
 class NamespaceOps:
     def __init__(self, store):
         self.s = store
-        self.meta_room = MetaRoom(store)   # before an operation that adds metadata
 
     # ------------------------------------------------------------------ helpers (lock held)
     def get_locked(self, ino: int) -> Inode:
@@ -209,7 +207,7 @@ class NamespaceOps:
 
     def create(self, parent: int, name: bytes, mode: int, uid: int = 0, gid: int = 0,
                umask: int = 0) -> Inode:
-        self.meta_room.check()
+        self.s.meta_room.check()
         with self.s.lock:
             p = self.dir_locked(parent)
             return self.new_inode_locked(p, name, stat.S_IFREG | (mode & 0o7777), uid, gid,
@@ -217,14 +215,14 @@ class NamespaceOps:
 
     def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int = 0,
               gid: int = 0, umask: int = 0) -> Inode:
-        self.meta_room.check()
+        self.s.meta_room.check()
         with self.s.lock:
             p = self.dir_locked(parent)
             return self.new_inode_locked(p, name, mode, uid, gid, rdev=rdev, umask=umask)
 
     def mkdir(self, parent: int, name: bytes, mode: int, uid: int = 0, gid: int = 0,
               umask: int = 0) -> Inode:
-        self.meta_room.check()
+        self.s.meta_room.check()
         with self.s.lock:
             p = self.dir_locked(parent)
             return self.new_inode_locked(p, name, stat.S_IFDIR | (mode & 0o7777), uid, gid,
@@ -232,14 +230,14 @@ class NamespaceOps:
 
     def symlink(self, parent: int, name: bytes, target: bytes, uid: int = 0,
                 gid: int = 0) -> Inode:
-        self.meta_room.check()
+        self.s.meta_room.check()
         with self.s.lock:
             p = self.dir_locked(parent)
             return self.new_inode_locked(p, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
 
     def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
         s = self.s
-        self.meta_room.check()
+        self.s.meta_room.check()
         with s.lock:
             inode = self.get_locked(ino)
             if inode.is_dir:
@@ -330,7 +328,7 @@ class NamespaceOps:
         if flags & ~(RENAME_NOREPLACE | (RENAME_WHITEOUT if whiteout else 0)):
             raise FsError(errno.EINVAL)   # (before stop 38 a WHITEOUT was EINVAL: overlayfs
         if whiteout:                      # refused the mount as an upper directory)
-            self.meta_room.check()
+            self.s.meta_room.check()
         if not flags & RENAME_NOREPLACE:
             self._durable_before_replace(old_parent, old_name, new_parent, new_name)
         with s.lock:

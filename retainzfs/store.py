@@ -12,6 +12,7 @@ store's state through it:
 * ``hints``   nsops.StoreHints     ``.retainz`` policies in force, hint resolution (hints.py)
 * ``files``   openfiles.OpenFiles  open counts, write buffers and their bounds, truncate
 * ``flushes`` flushes.Flushes      buffered bytes to zones in order, rz-flush, parked errors
+* ``meta_room`` room.MetaRoom     ENOSPC for new names and xattrs while metadata zones are full
 * ``falloc``  falloc.Falloc        fallocate(2): room checks, holes (PUNCH records)
 * ``data``    datapath.DataPath    placement, THE write loop (data and GC copies)
 * ``reads``   readpath.ReadPath    verified reads (lock-free against resets), readahead
@@ -64,6 +65,7 @@ from .falloc import Falloc
 from .flushes import Flushes
 from .openfiles import OpenFiles
 from .reclaim import Reclaim
+from .room import MetaRoom
 from .stats import LatencyHistogram, StoreStats
 from .superblock import FormatError, Superblock, default_meta_zones, meta_zones_problem
 
@@ -204,6 +206,7 @@ class Store:
         self.hints = StoreHints(self)
         self.files = OpenFiles(self)
         self.flushes = Flushes(self)
+        self.meta_room = MetaRoom(self)
         self.falloc = Falloc(self)
         self.data = DataPath(self)
         self.reads = ReadPath(self)

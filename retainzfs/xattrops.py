@@ -2,7 +2,7 @@
 the reclaim-hint xattrs (validated here: a bad value is EINVAL with the reason logged), and the
 virtual ones computed on read (``user.retainz.zones``, ``.hint``, the root's ``.status`` and
 zone map; they cannot be set).  Every method takes ``Store.lock`` itself; ``setxattr`` first
-makes room in the metadata log (``NamespaceOps.room``, no lock held).
+makes room in the metadata log (``room.MetaRoom.check``, no lock held).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class XattrOps:
             raise FsError(errno.EOPNOTSUPP, "xattrs are user., trusted. or security. names")
         if not rest:
             raise FsError(errno.EINVAL)
-        self.s.ns.meta_room.check()
+        self.s.meta_room.check()
         with self.s.lock:
             inode = self.s.ns.get_locked(ino)
             if name in H.VIRTUAL_XATTRS:
@@ -99,7 +99,7 @@ class XattrOps:
         if not s.acls:
             raise FsError(errno.EOPNOTSUPP, "POSIX ACLs are off (mount -o noacl, or a "
                                             "kernel without FUSE_POSIX_ACL)")
-        self.s.ns.meta_room.check()
+        self.s.meta_room.check()
         with s.lock:
             inode = s.ns.get_locked(ino)
             if create and name in inode.xattrs:
