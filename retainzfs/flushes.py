@@ -76,16 +76,10 @@ class Flushes:
         try:
             self.flush_data(ino, final=False)
         except OSError as e:
-            with s.lock:
-                inode = s.inodes.get(ino)
-                if inode is not None:
-                    inode.flush_err = e
+            self.park(ino, e)
         except Exception as e:                # never lose an error silently
             log.exception("background flush of inode %d", ino)
-            with s.lock:
-                inode = s.inodes.get(ino)
-                if inode is not None:
-                    inode.flush_err = FsError(errno.EIO, str(e))
+            self.park(ino, FsError(errno.EIO, str(e)))
         finally:
             with s.lock:
                 self._busy -= 1
@@ -110,6 +104,16 @@ class Flushes:
         close, an fsync, a truncate, a hole punched and a device near full need first."""
         self.wait_flush(ino)
         self.flush_data(ino, final=True)
+
+    def park(self, ino: int, err: OSError) -> None:
+        """Keep a flush's error for the file's writer (its next write, fsync or close raises
+        it: ``check_flush_error``).  The first one parked wins: a later failure is most often
+        a consequence of it, and the writer must hear the cause."""
+        s = self.s
+        with s.lock:
+            inode = s.inodes.get(ino)
+            if inode is not None and inode.flush_err is None:
+                inode.flush_err = err
 
     def check_flush_error(self, ino: int) -> None:
         s = self.s

@@ -259,10 +259,7 @@ class OpenFiles:
             try:
                 s.commit(ino, durable=False, check_policy=False)
             except OSError as e:
-                with s.lock:
-                    inode = s.inodes.get(ino)
-                    if inode is not None and inode.flush_err is None:
-                        inode.flush_err = e
+                s.flushes.park(ino, e)
 
     def truncate(self, ino: int, size: int, grow_only: bool = False,
                  touch: bool = False, kill_priv: bool = False) -> None:

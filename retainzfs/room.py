@@ -115,10 +115,7 @@ class Room:
             try:
                 self.s.flushes.write_out(ino)
             except OSError as e:
-                with s.lock:
-                    inode = s.inodes.get(ino)
-                    if inode is not None and inode.flush_err is None:
-                        inode.flush_err = e
+                s.flushes.park(ino, e)
 
     def write_through(self, ino: int, off: int, n: int) -> int:
         """Flush the file's buffer, which ends with this write of ``n`` bytes at ``off``: ``n``,

@@ -328,7 +328,6 @@ class Store:
     # fallocate(2), falloc.Falloc
     allocate = _Via("falloc")
     punch = _Via("falloc")
-    _flush_data = _Via("flushes", "flush_data")
     # data path, datapath.DataPath; reads, readpath.ReadPath
     read = _Via("reads")
     read_cached = _Via("reads")
@@ -359,10 +358,6 @@ class Store:
         """Start the flush and readahead threads (else at their first use)."""
         self.flushes.workers.start()
         self.reads.ra.pool.start()
-
-    @property
-    def _flusher(self):
-        return self.flushes.workers
 
     # ------------------------------------------------------------------ commit / sync ordering
     def maybe_flush_journal_iolocked(self) -> None:

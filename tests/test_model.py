@@ -387,7 +387,7 @@ class StoreMachine(_Base):
         dies without unmounting: the journal alone must give back the same state."""
         self.before_remount()
         self.store.sync()
-        self.store._flusher.shutdown(wait=True)
+        self.store.flushes.workers.shutdown(wait=True)
         self.dev.close()
         self.dev = open_device(self.path)
         self.store = Store(self.dev)

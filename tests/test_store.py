@@ -129,7 +129,7 @@ def test_crash_without_close_keeps_committed(tmp_path):
     t = s.create(1, b"torn", 0o644).ino
     s.open(t)
     s.write(t, 0, b)                      # buffered + partly placed, never committed
-    s._flush_data(t, final=False)
+    s.flushes.flush_data(t, final=False)
     # "kill -9": drop the store without close; reopen the image
     dev, s2 = reopen(path, dev, s, clean=False)
     assert read_all(s2, ino) == a
@@ -1008,6 +1008,28 @@ def test_a_background_flush_error_fails_the_next_write_before_it_is_taken(tmp_pa
     s.release(ino)
     assert s.read(ino, size, 5000) == data
     assert read_all(s, a) == first
+    s.close()
+    dev.close()
+
+
+def test_a_parked_flush_error_is_the_first_one_and_is_reported_once(tmp_path):
+    """Background flushes, writeback of old buffers and the drain near a full device all park
+    their failure with ``Flushes.park``: the first failure is kept (a later one is most often
+    its consequence), the file's next call raises it once, and then the file works again."""
+    path, dev, s = fresh(tmp_path)
+    ino = s.create(1, b"f", 0o644).ino
+    s.open(ino)
+    s.flushes.park(ino, FsError(errno.ENOSPC, "first"))
+    s.flushes.park(ino, FsError(errno.EIO, "second"))
+    s.flushes.park(10_000, FsError(errno.EIO, "no such inode"))        # ignored
+    with pytest.raises(OSError) as ei:
+        s.write(ino, 0, b"x" * 100)
+    assert ei.value.errno == errno.ENOSPC and "first" in str(ei.value)
+    assert s.getattr(ino).size == 0               # the write that reported it took nothing
+    s.write(ino, 0, b"y" * 100)                   # reported once: usable again
+    s.commit(ino, durable=True)
+    s.release(ino)
+    assert read_all(s, ino) == b"y" * 100
     s.close()
     dev.close()
 
