@@ -240,13 +240,17 @@ def read_pair(dev, int pair, unsigned int fsid, Py_ssize_t bs):
         if nxt is None:
             break
         pos = nxt
-    # A write pointer past the last frame, over bytes never written, is a damaged zone-table
-    # entry (frames are written before the pointer moves; finishing a zone moves it to the
-    # end, so not a FULL one): the mount rolls onto fresh pairs.
+    # A write pointer past the last frame, over bytes never written (finishing a zone moves it
+    # to the end, so not a FULL one): frames are written before the pointer moves, so either
+    # the zone-table entry is damaged or a power cut kept the entry's write and lost the
+    # frames' (an image's page cache writes back in any order; LazyFS torn-seq faults do
+    # this).  Never an acknowledged frame: a flush makes both durable.  The mount rolls onto
+    # fresh pairs either way.
     for c, z in ((a, za), (b, zb)):
         if c.ok and not damage and pos < c.n and dev.zone(z).cond != 14 and c.blank_from(pos):
             problems.append(f"metadata zone {z}: write pointer {c.n} past its last frame (which "
-                            f"ends at {pos}): its zone-table entry is damaged")
+                            f"ends at {pos}): frames of an unfinished flush lost by a power cut, "
+                            f"or a damaged zone-table entry")
     # A crash between the two writes of a frame leaves one frame in one copy only; more than
     # one means the shorter copy lost frames (a reset or unreadable zone): damage.
     if only_a > 1:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fault campaign: a checkpointing job on a retainzfs mount, crashed again and again, verified.
 
-    python3 scripts/fault_campaign.py --mode kill|powercut|both --iters N [--pc-iters M]
+    python3 scripts/fault_campaign.py --mode kill|powercut|torn|both --iters N [--pc-iters M]
                                       [--seed S] [--workdir DIR] [--suites PATH] [--json]
 
 What one iteration does
@@ -21,7 +21,19 @@ What one iteration does
        powercut: the image lives in a LazyFS mount (shared/suites/lazyfs.sh):
                  kill -STOP daemon, ``lazyfs.sh cut``, kill -9 daemon and writer, cut again,
                  ``fusermount3 -uz`` (the sequence of shared/suites/README.md).
-  3. ``retainzfs fsck IMG`` (unmounted) must exit 0; remount; verify (below).
+       torn:     the image in LazyFS as for powercut, but the cut is LazyFS's own torn-write
+                 faults, injected through its fifo while the daemon runs: ``torn-seq`` persists
+                 only some of the image writes issued since the last fsync (say the 3rd and the
+                 6th, not the 1st, 2nd, 4th, 5th: a disk's volatile cache written back out of
+                 order) and ``torn-op`` persists some parts of one write (a tear inside a
+                 journal frame, a zone-table entry or a data block); LazyFS then kills itself,
+                 un-fsync'd bytes are gone, the daemon and writer are killed and LazyFS is
+                 restarted.  A fault that does not fire within 5 s (the group of writes was
+                 shorter) falls back to the powercut sequence; the summary counts both.
+  3. ``retainzfs fsck IMG`` (unmounted) must exit 0; remount; verify (below).  In torn mode
+     fsck may instead exit 1 naming only what an unfinished flush leaves in the metadata log
+     (a torn last frame, a write pointer past the last frame, a mirror short of its last
+     frames); then after the verify a clean umount and fsck must exit 0 (the mount repaired it).
 
 Journal (outside the mount, ``<workdir>/<mode>/journal.txt``): the writer appends one line per
 event, written + fsync'd *after* the operation it describes returned:
@@ -51,7 +63,8 @@ Verification after each remount
   * the daemon log has no "Traceback" / "internal error" / "FUSE loop failed".
 
 Time on 2 cores: ~2.5 s per kill iteration, ~3 s per power cut (two LazyFS cuts), plus the
-writer's random run time (--delay, default 0.3-2 s): 50 kills + 20 cuts take ~3-3.5 min.
+writer's random run time (--delay, default 0.3-2 s): 50 kills + 20 cuts take ~3-3.5 min;
+a torn-write iteration ~3-4 s (the fault fires within a few writes of being armed).
 
 State accumulates on one image for the whole run (like a long training job); with
 ``--fresh-every K`` a new image is formatted every K iterations instead.  At the end: clean
@@ -524,6 +537,12 @@ def verify(mnt: str, jpath: str, seed: int, max_file: int, counts: dict,
 
 # ================================================================== process / mount helpers
 
+#: fsck problems an unfinished flush leaves in the metadata log (torn mode accepts them once)
+AFTERMATH = re.compile(r"journal: the last flush is torn"
+                       r"|metadata: metadata zone \d+: write pointer \d+ past its last frame"
+                       r"|metadata: metadata zone \d+ lost its last \d+ frames; mirror \d+ used")
+
+
 def run_cmd(argv, check=True, timeout=120, **kw) -> subprocess.CompletedProcess:
     p = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout, **kw)
     if check and p.returncode != 0:
@@ -603,7 +622,7 @@ class Target:
         self.pids: set[int] = set()
         self.lazy = None
         self.journal = os.path.join(wdir, "journal.txt")
-        if mode == "powercut":
+        if mode in ("powercut", "torn"):
             fifo = os.path.join(wdir, "faults.fifo")
             if "-o" in fifo.lower():
                 # LazyFS ignores --config-path when the path contains "-o" (case-insensitive:
@@ -685,14 +704,23 @@ class Target:
         if not wait_for(lambda: not image_locked(self.img), 30):
             raise Failure("image still locked after umount")
 
-    def fsck(self, tag: str) -> str:
+    def fsck(self, tag: str, aftermath: bool = False) -> bool:
+        """``retainzfs fsck`` must exit 0.  ``aftermath`` (after a torn-write cut): exit 1 is
+        accepted when every problem it names is what an unfinished flush leaves (a torn last
+        frame, a mirror short of its last frames, a write pointer past the last frame: never
+        acknowledged; a mount repairs each); returns True then, and the caller checks the
+        repair."""
         p = run_cmd([RETAINZFS, "fsck", self.img], check=False, timeout=300)
         out = p.stdout + p.stderr
         with open(os.path.join(self.wdir, "fsck.txt"), "a") as f:
             f.write(f"--- {tag}: rc={p.returncode}\n{out}")
-        if p.returncode != 0:
-            raise Failure(f"retainzfs fsck {self.img} ({tag}) -> rc={p.returncode}:\n{out.strip()}")
-        return out
+        if p.returncode == 0:
+            return False
+        probs = [ln for ln in p.stdout.splitlines()
+                 if ln.strip() and not ln.startswith("note:") and not ln.startswith(self.img + ":")]
+        if aftermath and p.returncode == 1 and probs and all(AFTERMATH.match(ln) for ln in probs):
+            return True
+        raise Failure(f"retainzfs fsck {self.img} ({tag}) -> rc={p.returncode}:\n{out.strip()}")
 
     def check_daemon_log(self) -> None:
         try:
@@ -725,9 +753,72 @@ class Target:
         except OSError:
             return ""
 
-    def crash(self, writer: subprocess.Popen) -> None:
+    def torn_fault(self) -> str:
+        """A random LazyFS torn-write command for the backing image file."""
+        rng, back = self.rng, os.path.join(self.lazy["root"], "img.zns")
+        if rng.random() < 0.6:
+            persist = sorted(rng.sample(range(1, 9), rng.randint(1, 3)))
+            return (f"lazyfs::torn-seq::op=write::file={back}::"
+                    f"persist={','.join(map(str, persist))}")
+        parts = rng.randint(2, 4)
+        persist = sorted(rng.sample(range(1, parts + 1), rng.randint(1, parts - 1)))
+        return f"lazyfs::torn-op::file={back}::parts={parts}::persist={','.join(map(str, persist))}"
+
+    def torn_crash(self, pid: int, writer: subprocess.Popen, counts: dict) -> None:
+        """Inject a torn-write fault and wait for LazyFS to kill itself over it; if it does
+        not within 5 s, the powercut sequence.  Then kill the daemon and the writer and
+        restart LazyFS (a fault left armed would fire in the next iteration)."""
+        self.check_daemon_log()                  # what the daemon said before the fault
+        with open(self.lazy["fifo"] + ".pid") as f:
+            lpid = int(f.read().split()[0])
+        cmd = self.torn_fault()
+        # LazyFS's fault worker opens the completion fifo for writing before it reads a
+        # command: hold it open (as lazyfs.sh cut does) or the command is never read.
+        done = os.open(self.lazy["fifo"] + ".done", os.O_RDWR | os.O_NONBLOCK)
+        try:
+            fd = os.open(self.lazy["fifo"], os.O_WRONLY)
+            try:
+                os.write(fd, (cmd + "\n").encode())
+            finally:
+                os.close(fd)
+            fired = wait_for(lambda: not alive(lpid), 5.0)
+        finally:
+            os.close(done)
+        if fired:
+            counts["torn_fired"] += 1
+            counts["torn_kinds"][cmd.split("::")[1]] += 1
+        else:
+            os.kill(pid, signal.SIGSTOP)
+            if not wait_for(lambda: all_threads_stopped(pid), 10):
+                raise Failure(f"daemon {pid} did not stop")
+            self.cut()
+        with open(os.path.join(self.wdir, "torn.txt"), "a") as f:
+            f.write(f"{cmd} fired={fired}\n")
+        os.kill(pid, signal.SIGKILL)
+        if not wait_for(lambda: not alive(pid), 20):
+            raise Failure(f"daemon {pid} survived SIGKILL")
+        writer.kill()
+        writer.wait(30)
+        if not fired:
+            self.cut()
+        run_cmd(["fusermount3", "-uz", self.mnt], check=False)
+        if fired:
+            run_cmd(["fusermount3", "-uz", self.lazy["mnt"]], check=False)
+        else:
+            self.lazyfs("umount", self.lazy["mnt"])
+        self.lazyfs("mount", self.lazy["out"], self.lazy["root"], self.lazy["mnt"],
+                    self.lazy["fifo"])
+        try:                                     # the dead daemon's last words are not checked
+            self.log_off = os.path.getsize(self.log)
+        except OSError:
+            pass
+
+    def crash(self, writer: subprocess.Popen, counts: dict | None = None) -> None:
         pid = self.pid
         self.pid = None
+        if self.mode == "torn":
+            self.torn_crash(pid, writer, counts if counts is not None else _torn_counts())
+            return
         if self.mode == "kill":
             os.kill(pid, signal.SIGKILL)
             if not wait_for(lambda: not alive(pid), 20):
@@ -751,6 +842,10 @@ class Target:
 
 
 # ================================================================== the campaign
+
+def _torn_counts() -> dict:
+    return {"torn_fired": 0, "torn_kinds": {"torn-seq": 0, "torn-op": 0}, "torn_fsck_aftermath": 0}
+
 
 def retire(t: Target, counts: dict) -> None:
     """Tear a target down and add its journal's totals to the counts."""
@@ -793,13 +888,19 @@ def campaign(mode: str, iters: int, args, counts: dict, log) -> None:
                 t.crash(w)
                 raise Failure(f"writer exited by itself (rc={w.returncode}) before the crash:\n"
                               f"{t.writer_error()}")
-            t.crash(w)
+            t.crash(w, counts)
             counts["kills" if mode == "kill" else "power_cuts"] += 1
-            t.fsck(f"iteration {it} after {'kill' if mode == 'kill' else 'power cut'}")
+            torn = t.fsck(f"iteration {it} after {'kill' if mode == 'kill' else 'power cut'}",
+                          aftermath=mode == "torn")
             eof = eof_extents(t.img)
             t.mount()
             verify(t.mnt, t.journal, args.seed, args.max_file, counts, eof, args.allow_eof_extents)
             t.check_daemon_log()
+            if torn:                     # the mount must have repaired what fsck named
+                counts["torn_fsck_aftermath"] += 1
+                t.umount()
+                t.fsck(f"iteration {it}: after the mount that followed a torn flush")
+                t.mount()
             counts["iterations"] += 1
             it += 1
             e = Expect.load(t.journal)
@@ -861,7 +962,7 @@ def main(argv=None) -> int:
         return writer_main(argv[1:])
     ap = argparse.ArgumentParser(description="kill -9 / power-cut campaign against a retainzfs mount "
                                              "(see the module docstring)")
-    ap.add_argument("--mode", choices=("kill", "powercut", "both"), default="kill")
+    ap.add_argument("--mode", choices=("kill", "powercut", "torn", "both"), default="kill")
     ap.add_argument("--iters", type=int, default=20, help="iterations (per mode)")
     ap.add_argument("--pc-iters", type=int, default=None,
                     help="power-cut iterations with --mode both (default: --iters)")
@@ -875,7 +976,8 @@ def main(argv=None) -> int:
     ap.add_argument("--delay", type=lambda s: tuple(map(float, s.split(","))), default=(0.3, 2.0),
                     help="MIN,MAX seconds between writer start and the crash")
     ap.add_argument("--kill-size", default=None, help="image size in kill mode (default 1G; 4M zones)")
-    ap.add_argument("--pc-size", default=None, help="image size in powercut mode (default 2G; 16M zones)")
+    ap.add_argument("--pc-size", default=None,
+                    help="image size in powercut and torn modes (default 2G; 16M zones)")
     ap.add_argument("--fresh-every", type=int, default=0,
                     help="format a fresh image every K iterations (0: one image for the whole run)")
     ap.add_argument("--allow-eof-extents", action="store_true",
@@ -889,7 +991,7 @@ def main(argv=None) -> int:
         print("fault_campaign: needs root (FUSE allow_other, umount)", file=sys.stderr)
         return 2
     modes = ["kill", "powercut"] if args.mode == "both" else [args.mode]
-    if "powercut" in modes:
+    if "powercut" in modes or "torn" in modes:
         ensure_lazyfs(args)
     made_tmp = args.workdir is None
     args.workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="retainzfs-campaign-"))
@@ -897,7 +999,7 @@ def main(argv=None) -> int:
     counts = {"iterations": 0, "kills": 0, "power_cuts": 0, "files_verified": 0,
               "partial_files_verified": 0, "bytes_verified": 0, "deletions_verified": 0,
               "distinct_acked_files": 0, "distinct_durable_deletions": 0, "generations_started": 0,
-              "eof_leak_iterations": 0, "eof_leak_bytes": 0, "failures": 0}
+              "eof_leak_iterations": 0, "eof_leak_bytes": 0, "failures": 0, **_torn_counts()}
     t0 = time.monotonic()
 
     def log(msg):
@@ -905,7 +1007,7 @@ def main(argv=None) -> int:
             print(f"[{time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     for m in modes:
-        n = args.pc_iters if (m == "powercut" and args.pc_iters is not None) else args.iters
+        n = args.pc_iters if (m != "kill" and args.pc_iters is not None) else args.iters
         campaign(m, n, args, counts, log)
     counts["seconds"] = round(time.monotonic() - t0, 1)
     counts["workdir"] = args.workdir
@@ -922,6 +1024,9 @@ def main(argv=None) -> int:
               f"{counts['generations_started']} generations), "
               + (f"{counts['eof_leak_iterations']} iterations with extents past EOF "
                  f"({counts['eof_leak_bytes']} B, tolerated), " if counts['eof_leak_iterations'] else "")
+              + (f"{counts['torn_fired']} torn-write faults fired ({counts['torn_kinds']}; fsck "
+                 f"named an unfinished flush {counts['torn_fsck_aftermath']} times, repaired), "
+                 if args.mode == "torn" else "")
               + f"{counts['failures']} failures, {counts['seconds']} s")
     if counts["failures"]:
         with open(os.path.join(args.workdir, "FAILURE.txt"), "w") as f:

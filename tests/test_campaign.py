@@ -7,14 +7,22 @@ on a real mount again and again and verifies what was acknowledged.
             verify; 2 GiB image, 16 MiB zones, max_active 12). Needs ``<repo>/../shared/suites``
             (LazyFS, built into ``RETAINZFS_SUITES_CACHE``, default /tmp/retainzfs-suites):
             skipped when absent, except with CI=true where that fails.
+* torn:     >= 20 torn-write cuts through LazyFS's own faults while the daemon runs (torn-seq:
+            only some of the image writes since the last fsync persisted, out of order;
+            torn-op: only some parts of one write), LazyFS kills itself, then as above.
+            Most must fire (a fault whose group of writes was too short falls back to a cut).
+            fsck may name an unfinished flush in the metadata log (exit 1); the mount after it
+            must repair it (a clean umount, then fsck exit 0).
 
 Verified after every crash: every fsync-acknowledged file byte-identical, the small-line log at
 least as long as acknowledged and free of garbage, durable deletions stay deleted, fsck exit 0,
 ``live_bytes`` == sum of file sizes (see the script's docstring). The counts are printed.
-About 2-4 min for the kill part and 1-2 min for the power cuts on 2 cores.
+About 2-4 min for the kill part, 1-2 min for the power cuts and ~1 min for the torn writes
+on 2 cores.
 
 Env: RETAINZFS_CAMPAIGN_SEED (default 1), RETAINZFS_CAMPAIGN_KILLS (default 50),
-RETAINZFS_CAMPAIGN_POWERCUTS (default 20), RETAINZFS_CAMPAIGN_ALLOW_EOF_EXTENTS=1 (pass
+RETAINZFS_CAMPAIGN_POWERCUTS (default 20), RETAINZFS_CAMPAIGN_TORN (default 20),
+RETAINZFS_CAMPAIGN_ALLOW_EOF_EXTENTS=1 (pass
 ``--allow-eof-extents``: tolerate extents past EOF after a crash; fixed since, kept for bisecting).
 """
 from __future__ import annotations
@@ -38,6 +46,7 @@ SUITES = REPO.parent / "shared" / "suites"
 SEED = os.environ.get("RETAINZFS_CAMPAIGN_SEED", "1")
 KILLS = int(os.environ.get("RETAINZFS_CAMPAIGN_KILLS", "50"))
 POWERCUTS = int(os.environ.get("RETAINZFS_CAMPAIGN_POWERCUTS", "20"))
+TORN = int(os.environ.get("RETAINZFS_CAMPAIGN_TORN", "20"))
 
 
 def _campaign(mode: str, iters: int, tmp_path: pathlib.Path, capsys) -> dict:
@@ -61,6 +70,9 @@ def _campaign(mode: str, iters: int, tmp_path: pathlib.Path, capsys) -> dict:
               f"({s['distinct_acked_files']} files acknowledged, {s['distinct_durable_deletions']} "
               f"durable deletions, {s['generations_started']} generations), "
               f"{s['eof_leak_iterations']} tolerated extents-past-EOF, "
+              + (f"{s['torn_fired']} torn-write faults fired {s['torn_kinds']} (fsck named an "
+                 f"unfinished flush {s['torn_fsck_aftermath']} times, a mount repaired each), "
+                 if mode == "torn" else "") +
               f"{s['failures']} failures, {s['seconds']} s")
     assert s["failures"] == 0 and p.returncode == 0, (
         f"fault campaign {mode} failed (workdir kept: {workdir}):\n{p.stderr[-6000:]}")
@@ -79,4 +91,14 @@ def test_campaign_powercut(tmp_path, capsys):
         missing(f"LazyFS (third-party suites) not found at {SUITES}: power cuts not run")
     s = _campaign("powercut", POWERCUTS, tmp_path, capsys)
     assert s["power_cuts"] >= POWERCUTS and s["iterations"] >= POWERCUTS
+    assert s["files_verified"] > 0 and s["deletions_verified"] > 0
+
+
+def test_campaign_torn_writes(tmp_path, capsys):
+    if not (SUITES / "lazyfs.sh").exists() or not (SUITES / "lazyfs").is_dir():
+        missing(f"LazyFS (third-party suites) not found at {SUITES}: torn writes not run")
+    s = _campaign("torn", TORN, tmp_path, capsys)
+    assert s["power_cuts"] >= TORN and s["iterations"] >= TORN
+    assert s["torn_fired"] >= TORN * 3 // 4, s          # the faults, not the fallback, were tested
+    assert s["torn_kinds"]["torn-seq"] > 0 and s["torn_kinds"]["torn-op"] > 0, s
     assert s["files_verified"] > 0 and s["deletions_verified"] > 0

@@ -656,6 +656,51 @@ def test_fsck_fails_when_replay_would_stop_early(mounted):
 
 
 # ------------------------------------------------------------------ found by the fault campaign
+def test_a_power_cut_that_kept_a_metadata_write_pointer_and_lost_its_frames(mounted):
+    """Found by the torn-write campaign (LazyFS torn-seq, ``fault_campaign.py --mode torn``):
+    the image's zone table is written apart from the frames, so a power cut can keep a
+    metadata zone's new write pointer and lose the frames of an unfinished flush under it.
+    fsck called that "its zone-table entry is damaged"; it names the power cut now (exit 1:
+    not clean until a mount), nothing acknowledged is lost, and the mount repairs it."""
+    from retainzfs.device import open_device
+    from test_durability import _meta_frames
+    a = os.urandom(300_000)
+    with open(mounted / "a", "wb") as f:
+        f.write(a)
+        os.fsync(f.fileno())
+    mounted.umount()
+    before = set(_meta_frames(mounted.img)[0])
+    mounted.mount()
+    (mounted / "b").write_bytes(b"x" * 5000)         # closed, never fsynced
+    (mounted / "d").mkdir()
+    time.sleep(1.5)
+    mounted.kill()
+    run("fusermount3", "-uz", mounted.path, check=False)
+    frames, data_off, zsize = _meta_frames(mounted.img)
+    new = sorted(f for f in frames if f not in before)
+    assert new, "the unfsynced close and mkdir wrote no frame"
+    _, pair, off = new[0]
+    assert all(p == pair for _, p, _ in new)
+    dev = open_device(str(mounted.img))
+    wps = [dev.zone(z).wp for z in (2 * pair, 2 * pair + 1)]
+    dev.close()
+    with open(mounted.img, "r+b") as f:              # the frames' writes lost, the table's kept
+        for z, wp in zip((2 * pair, 2 * pair + 1), wps):
+            assert wp > off
+            f.seek(data_off + z * zsize + off)
+            f.write(bytes(wp - off))
+    p = fsck(mounted.img)
+    assert p.returncode == 1, p.stdout + p.stderr
+    probs = [ln for ln in p.stdout.splitlines() if ln.startswith("metadata:")]
+    assert probs and all("lost by a power cut" in ln for ln in probs), p.stdout
+    mounted.mount()
+    assert (mounted / "a").read_bytes() == a
+    assert not (mounted / "b").exists() or (mounted / "b").read_bytes() == b"x" * 5000
+    mounted.umount()
+    p = fsck(mounted.img)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
 def test_crash_with_extents_past_the_journaled_size(mounted):
     """kill -9 while a file is open: its EXTENT records were durable (periodic flush), its
     size (journaled at close/fsync) was not — the size must cover them, never live bytes that
