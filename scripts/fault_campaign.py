@@ -33,7 +33,7 @@ What one iteration does
   3. ``retainzfs fsck IMG`` (unmounted) must exit 0; remount; verify (below).  In torn mode
      fsck may instead exit 1 naming only what an unfinished flush leaves in the metadata log
      (a torn last frame, a write pointer past the last frame, a mirror short of its last
-     frames); then after the verify a clean umount and fsck must exit 0 (the mount repaired it).
+     frames) or a zone-table entry torn inside (torn-op tears finer than a sector); then after the verify a clean umount and fsck must exit 0 (the mount repaired it).
 
 Journal (outside the mount, ``<workdir>/<mode>/journal.txt``): the writer appends one line per
 event, written + fsync'd *after* the operation it describes returned:
@@ -537,10 +537,13 @@ def verify(mnt: str, jpath: str, seed: int, max_file: int, counts: dict,
 
 # ================================================================== process / mount helpers
 
-#: fsck problems an unfinished flush leaves in the metadata log (torn mode accepts them once)
+#: fsck problems an unfinished flush leaves (torn mode accepts them once): in the metadata log,
+#: and a zone-table entry torn by ``torn-op`` (it splits even a 16-byte write into parts, finer
+#: than a disk's sector: the entry reads as corrupt, its zone as full, its data by checksum)
 AFTERMATH = re.compile(r"journal: the last flush is torn"
                        r"|metadata: metadata zone \d+: write pointer \d+ past its last frame"
-                       r"|metadata: metadata zone \d+ lost its last \d+ frames; mirror \d+ used")
+                       r"|metadata: metadata zone \d+ lost its last \d+ frames; mirror \d+ used"
+                       r"|metadata: zone table entry \d+ is corrupt")
 
 
 def run_cmd(argv, check=True, timeout=120, **kw) -> subprocess.CompletedProcess:
@@ -622,13 +625,20 @@ class Target:
         self.pids: set[int] = set()
         self.lazy = None
         self.journal = os.path.join(wdir, "journal.txt")
+        self.failed = False                  # keep a short-path LazyFS root for the post-mortem
         if mode in ("powercut", "torn"):
             fifo = os.path.join(wdir, "faults.fifo")
-            if "-o" in fifo.lower():
+            root = os.path.join(wdir, "root")
+            if "-o" in fifo.lower() or mode == "torn":
                 # LazyFS ignores --config-path when the path contains "-o" (case-insensitive:
-                # main.cpp takes it for a FUSE option), e.g. pytest's /tmp/pytest-of-root/...
-                fifo = os.path.join(tempfile.mkdtemp(prefix="rzfslazy."), "faults.fifo")
-            self.lazy = {"out": args.suites_out, "root": os.path.join(wdir, "root"),
+                # main.cpp takes it for a FUSE option), e.g. pytest's /tmp/pytest-of-root/...;
+                # and it reads a fault command in one 100-byte read, so the torn-write faults,
+                # which name the image by its backing path, need that path short.
+                short = tempfile.mkdtemp(prefix="rzfslazy.")
+                fifo = os.path.join(short, "faults.fifo")
+                if mode == "torn":
+                    root = os.path.join(short, "root")
+            self.lazy = {"out": args.suites_out, "root": root,
                          "mnt": os.path.join(wdir, "lazy"), "fifo": fifo}
             self.img = os.path.join(self.lazy["mnt"], "img.zns")
         else:
@@ -680,7 +690,8 @@ class Target:
         if self.lazy and is_mounted(self.lazy["mnt"]):
             subprocess.run(["bash", os.path.join(self.args.suites, "lazyfs.sh"), "umount",
                             self.lazy["mnt"]], capture_output=True, timeout=120)
-        if self.lazy and os.path.basename(os.path.dirname(self.lazy["fifo"])).startswith("rzfslazy."):
+        if (self.lazy and not self.failed
+                and os.path.basename(os.path.dirname(self.lazy["fifo"])).startswith("rzfslazy.")):
             shutil.rmtree(os.path.dirname(self.lazy["fifo"]), ignore_errors=True)
 
     # -- retainzfs --
@@ -758,11 +769,16 @@ class Target:
         rng, back = self.rng, os.path.join(self.lazy["root"], "img.zns")
         if rng.random() < 0.6:
             persist = sorted(rng.sample(range(1, 9), rng.randint(1, 3)))
-            return (f"lazyfs::torn-seq::op=write::file={back}::"
-                    f"persist={','.join(map(str, persist))}")
-        parts = rng.randint(2, 4)
-        persist = sorted(rng.sample(range(1, parts + 1), rng.randint(1, parts - 1)))
-        return f"lazyfs::torn-op::file={back}::parts={parts}::persist={','.join(map(str, persist))}"
+            cmd = (f"lazyfs::torn-seq::op=write::file={back}::"
+                   f"persist={','.join(map(str, persist))}")
+        else:
+            parts = rng.randint(2, 4)
+            persist = sorted(rng.sample(range(1, parts + 1), rng.randint(1, parts - 1)))
+            cmd = (f"lazyfs::torn-op::file={back}::parts={parts}::"
+                   f"persist={','.join(map(str, persist))}")
+        if len(cmd) + 1 > 100:               # LazyFS reads a command in one 100-byte read
+            raise Failure(f"torn-write fault command over LazyFS's 100 bytes: {cmd}")
+        return cmd
 
     def torn_crash(self, pid: int, writer: subprocess.Popen, counts: dict) -> None:
         """Inject a torn-write fault and wait for LazyFS to kill itself over it; if it does
@@ -940,6 +956,8 @@ def campaign(mode: str, iters: int, args, counts: dict, log) -> None:
                                                   if t.lazy else "")
             msg += f"\n  journal: {t.journal}"
         counts.setdefault("first_failure", msg)
+        if t is not None:
+            t.failed = True
     finally:
         if t is not None:
             retire(t, counts)
