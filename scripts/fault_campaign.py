@@ -33,7 +33,8 @@ What one iteration does
   3. ``retainzfs fsck IMG`` (unmounted) must exit 0; remount; verify (below).  In torn mode
      fsck may instead exit 1 naming only what an unfinished flush leaves in the metadata log
      (a torn last frame, a write pointer past the last frame, a mirror short of its last
-     frames) or a zone-table entry torn inside (torn-op tears finer than a sector); then after the verify a clean umount and fsck must exit 0 (the mount repaired it).
+     frames) or a zone-table entry torn inside (torn-op tears finer than a sector); then,
+     after the verify, a clean umount and fsck must exit 0 (the mount repaired it).
 
 Journal (outside the mount, ``<workdir>/<mode>/journal.txt``): the writer appends one line per
 event, written + fsync'd *after* the operation it describes returned:
@@ -717,10 +718,9 @@ class Target:
 
     def fsck(self, tag: str, aftermath: bool = False) -> bool:
         """``retainzfs fsck`` must exit 0.  ``aftermath`` (after a torn-write cut): exit 1 is
-        accepted when every problem it names is what an unfinished flush leaves (a torn last
-        frame, a mirror short of its last frames, a write pointer past the last frame: never
-        acknowledged; a mount repairs each); returns True then, and the caller checks the
-        repair."""
+        accepted when every problem it names is what a torn write leaves (``AFTERMATH``:
+        never acknowledged; a mount repairs each); returns True then, and the caller checks
+        the repair."""
         p = run_cmd([RETAINZFS, "fsck", self.img], check=False, timeout=300)
         out = p.stdout + p.stderr
         with open(os.path.join(self.wdir, "fsck.txt"), "a") as f:
