@@ -768,7 +768,8 @@ class Target:
         """A random LazyFS torn-write command for the backing image file."""
         rng, back = self.rng, os.path.join(self.lazy["root"], "img.zns")
         if rng.random() < 0.6:
-            persist = sorted(rng.sample(range(1, 9), rng.randint(1, 3)))
+            depth = max(1, self.args.torn_depth)
+            persist = sorted(rng.sample(range(1, depth + 1), rng.randint(1, min(3, depth))))
             cmd = (f"lazyfs::torn-seq::op=write::file={back}::"
                    f"persist={','.join(map(str, persist))}")
         else:
@@ -996,6 +997,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kill-size", default=None, help="image size in kill mode (default 1G; 4M zones)")
     ap.add_argument("--pc-size", default=None,
                     help="image size in powercut and torn modes (default 2G; 16M zones)")
+    ap.add_argument("--torn-depth", type=int, default=8,
+                    help="torn mode: torn-seq keeps writes among the first N since the last fsync "
+                         "(larger reaches the journal frames after a big shard's data, and fires "
+                         "less often: a shorter group falls back to a plain cut)")
     ap.add_argument("--fresh-every", type=int, default=0,
                     help="format a fresh image every K iterations (0: one image for the whole run)")
     ap.add_argument("--allow-eof-extents", action="store_true",
