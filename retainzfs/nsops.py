@@ -237,7 +237,7 @@ class NamespaceOps:
 
     def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
         s = self.s
-        self.s.meta_room.check()
+        s.meta_room.check()
         with s.lock:
             inode = self.get_locked(ino)
             if inode.is_dir:

@@ -113,7 +113,7 @@ class Room:
             inos = list(self.f.dirty_since)
         for ino in inos:
             try:
-                self.s.flushes.write_out(ino)
+                s.flushes.write_out(ino)
             except OSError as e:
                 s.flushes.park(ino, e)
 

@@ -804,20 +804,9 @@ class Target:
         if fired:
             counts["torn_fired"] += 1
             counts["torn_kinds"][cmd.split("::")[1]] += 1
-        else:
-            os.kill(pid, signal.SIGSTOP)
-            if not wait_for(lambda: all_threads_stopped(pid), 10):
-                raise Failure(f"daemon {pid} did not stop")
-            self.cut()
         with open(os.path.join(self.wdir, "torn.txt"), "a") as f:
             f.write(f"{cmd} fired={fired}\n")
-        os.kill(pid, signal.SIGKILL)
-        if not wait_for(lambda: not alive(pid), 20):
-            raise Failure(f"daemon {pid} survived SIGKILL")
-        writer.kill()
-        writer.wait(30)
-        if not fired:
-            self.cut()
+        self.kill_all(pid, writer, cut=not fired)
         run_cmd(["fusermount3", "-uz", self.mnt], check=False)
         if fired:
             run_cmd(["fusermount3", "-uz", self.lazy["mnt"]], check=False)
@@ -830,29 +819,29 @@ class Target:
         except OSError:
             pass
 
+    def kill_all(self, pid: int, writer: subprocess.Popen, cut: bool) -> None:
+        """kill -9 the daemon and the writer; ``cut``: the power cut around it (kill -STOP,
+        ``lazyfs.sh cut``, the kills, cut again to drop what was still in flight)."""
+        if cut:
+            os.kill(pid, signal.SIGSTOP)
+            if not wait_for(lambda: all_threads_stopped(pid), 10):
+                raise Failure(f"daemon {pid} did not stop")
+            self.cut()                               # the power cut
+        os.kill(pid, signal.SIGKILL)
+        if not wait_for(lambda: not alive(pid), 20):
+            raise Failure(f"daemon {pid} survived SIGKILL")
+        writer.kill()
+        writer.wait(30)
+        if cut:
+            self.cut()                               # drop what was still in flight
+
     def crash(self, writer: subprocess.Popen, counts: dict | None = None) -> None:
         pid = self.pid
         self.pid = None
         if self.mode == "torn":
             self.torn_crash(pid, writer, counts if counts is not None else _torn_counts())
             return
-        if self.mode == "kill":
-            os.kill(pid, signal.SIGKILL)
-            if not wait_for(lambda: not alive(pid), 20):
-                raise Failure(f"daemon {pid} survived SIGKILL")
-            writer.kill()
-            writer.wait(30)
-        else:
-            os.kill(pid, signal.SIGSTOP)
-            if not wait_for(lambda: all_threads_stopped(pid), 10):
-                raise Failure(f"daemon {pid} did not stop")
-            self.cut()                               # the power cut
-            os.kill(pid, signal.SIGKILL)
-            if not wait_for(lambda: not alive(pid), 20):
-                raise Failure(f"daemon {pid} survived SIGKILL")
-            writer.kill()
-            writer.wait(30)
-            self.cut()                               # drop what was still in flight
+        self.kill_all(pid, writer, cut=self.mode == "powercut")
         run_cmd(["fusermount3", "-uz", self.mnt], check=False)
         if not wait_for(lambda: not image_locked(self.img), 30):
             raise Failure("image still locked after the daemon died")
