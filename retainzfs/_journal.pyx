@@ -192,6 +192,14 @@ class _Copy:
         return True
 
 
+class Aftermath(str):
+    """A problem of the log's end that an unfinished flush leaves when a crash or power cut
+    cuts it (a write pointer past the last frame, a mirror short of the last frames): never
+    an acknowledged frame, and the mount repairs it.  A plain string where shown; ``fsck``
+    tells it from damage by its type (``LogState.aftermath``)."""
+    __slots__ = ()
+
+
 def read_pair(dev, int pair, unsigned int fsid, Py_ssize_t bs):
     """Frames of one pair, each from whichever copy verifies.
 
@@ -248,15 +256,18 @@ def read_pair(dev, int pair, unsigned int fsid, Py_ssize_t bs):
     # fresh pairs either way.
     for c, z in ((a, za), (b, zb)):
         if c.ok and not damage and pos < c.n and dev.zone(z).cond != 14 and c.blank_from(pos):
-            problems.append(f"metadata zone {z}: write pointer {c.n} past its last frame (which "
-                            f"ends at {pos}): frames of an unfinished flush lost by a power cut, "
-                            f"or a damaged zone-table entry")
+            problems.append(Aftermath(
+                f"metadata zone {z}: write pointer {c.n} past its last frame (which ends at "
+                f"{pos}): frames of an unfinished flush lost by a power cut, or a damaged "
+                f"zone-table entry"))
     # A crash between the two writes of a frame leaves one frame in one copy only; more than
     # one means the shorter copy lost frames (a reset or unreadable zone): damage.
     if only_a > 1:
-        problems.append(f"metadata zone {zb} lost its last {only_a} frames; mirror {za} used")
+        problems.append(Aftermath(f"metadata zone {zb} lost its last {only_a} frames; mirror "
+                                  f"{za} used"))
     if only_b > 1:
-        problems.append(f"metadata zone {za} lost its last {only_b} frames; mirror {zb} used")
+        problems.append(Aftermath(f"metadata zone {za} lost its last {only_b} frames; mirror "
+                                  f"{zb} used"))
     return frames, problems, damage
 
 
@@ -307,6 +318,12 @@ class LogState:
         self.problems = []            # repaired (single-copy) damage
         self.corrupt = None           # why acknowledged metadata is missing (None: intact)
         self.torn = False             # the last flush was torn (never acknowledged)
+        # Feature "unmount_marks": True when the log ends in a clean unmount's frame (R.UNMOUNTED)
+        # with nothing torn or lost after it, False when a crash cut it; None for an image made
+        # before the feature (no way to tell).  ``unmounted_at``: the time (ns) of the unmount
+        # whose frame is the last valid one (set even when something torn or lost follows).
+        self.clean = None
+        self.unmounted_at = None
         self.next_seq = 1
         self.live = []                # pairs holding the live log, oldest first
         self.active_wp = 0
@@ -418,6 +435,13 @@ def load(dev, sb):
     za, zb = dev.zone(2 * last), dev.zone(2 * last + 1)
     st.active_wp = max(za.wp, zb.wp)
     st.uneven = za.wp != zb.wp or st.torn or bool(st.problems)
+    if "unmount_marks" in (sb.features or ()):
+        body = frames[-1][3]
+        for t, p in (_recs(body) if body is not None else ()):
+            if t == R.UNMOUNTED:
+                st.unmounted_at = R.unpack_mark(p)
+        st.clean = (st.unmounted_at is not None and not st.torn
+                    and not any(isinstance(q, Aftermath) for q in st.problems))
     return st
 
 

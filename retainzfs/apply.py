@@ -92,6 +92,8 @@ class RecordApplier:
             if self.proofs is not None:
                 self.proofs.flushed(R.unpack_flushed(payload))
             return None
+        if rtype in (R.UNMOUNTED, R.MOUNTED):
+            return None                 # (read by ``_journal.load``: LogState.clean)
         if rtype == R.INODE:
             d = R.unpack_json(payload)
             inode = s.inodes.get(d["i"])

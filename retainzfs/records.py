@@ -35,12 +35,21 @@ ZONE_RESET = 31     # the zone was reset: its generation is now ``gen``
 #: writes missing from the medium only if no such record proves them (``recovery.Proofs``).
 FLUSHED = 32
 ALL_BEFORE = (1 << 64) - 1
+#: Mount marks (feature ``unmount_marks``), each the only record of its frame, with the time.
+#: UNMOUNTED ends the log at a clean unmount (and mkfs), written after everything else was
+#: durable: so the damage of an acknowledged frame at the end of a cleanly unmounted log has a
+#: valid frame after it (damage, not a crash's torn flush), and a log that does not end in one
+#: was cut by a crash, whose torn end is what an unfinished flush leaves (``fsck`` notes it,
+#: exit 0).  MOUNTED is a read-write mount's first frame, durable before any other: so frames
+#: lost after an UNMOUNTED one are damage, never a later mount's unfinished flush.
+UNMOUNTED = 33
+MOUNTED = 34
 
 NAMES = {SUPER: "super", SNAP_BEGIN: "snap_begin", SNAP_CHUNK: "snap_chunk", SNAP_END: "snap_end",
          INODE: "inode", INODE_DEL: "inode_del", DIRENT_ADD: "dirent_add",
          DIRENT_DEL: "dirent_del", RENAME: "rename", EXTENT: "extent", TRUNCATE: "truncate",
          RELOCATE: "relocate", CSUM: "csum", PUNCH: "punch", ZONE_FINISH: "zone_finish", ZONE_RESET: "zone_reset",
-         FLUSHED: "flushed"}
+         FLUSHED: "flushed", UNMOUNTED: "unmounted", MOUNTED: "mounted"}
 
 #: bytes covered by one data checksum: small enough that a 4 KiB random read verifies at most
 #: two pieces, large enough that the table costs 0.025 % of the data (in RAM and journal)
@@ -103,6 +112,15 @@ def pack_flushed(upto: int) -> bytes:
 
 def unpack_flushed(payload) -> int:
     return _U64.unpack(payload)[0]
+
+
+def pack_mark(t: int) -> bytes:
+    """UNMOUNTED / MOUNTED: the time (ns)."""
+    return _T.pack(t)
+
+
+def unpack_mark(payload) -> int:
+    return _T.unpack(payload)[0]
 
 
 def pack_zone_reset(zone: int, gen: int) -> bytes:
@@ -192,6 +210,7 @@ _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
+_T = struct.Struct("<q")                  # a time in ns (UNMOUNTED, MOUNTED)
 _HINT = struct.Struct("<qdqB")
 _EXT = struct.Struct("<QQIQd")
 _DIRENT_B = struct.Struct("<QQqB")        # parent, ino, time, len(name); then the name

@@ -325,6 +325,8 @@ class MountRecovery:
         if damaged:
             s.dev.flush()
         s._reset_empty_zones()
+        # after the repairs (which flush what they write), before anything the mount serves
+        s.mark_log(R.MOUNTED)
 
     def drop_lost_writes(self, proofs: "Proofs") -> None:
         """Forget data writes a power cut took from the device's cache, when nothing proves

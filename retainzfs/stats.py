@@ -163,6 +163,9 @@ class StoreStats:
                                      if p.slow},
                                   **{path_of(k): v for k, v in s.policy_errors.items()}},
                 "journal_truncated": s.journal_truncated,
+                # how the last mount ended: True a clean unmount, False a crash or power cut,
+                # None an image made before the feature "unmount_marks" (as read at open)
+                "clean_unmount": s.clean_unmount,
                 "checksum_errors": st["checksum_errors"],
                 "stale_extents": st["stale_extents"],
                 "metadata_problems": list(s.meta_problems),

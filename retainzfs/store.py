@@ -151,7 +151,11 @@ class Store:
         root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, nlink=2, uid=root_owner[0],
                      gid=root_owner[1], atime=t, mtime=t, ctime=t)
         snap = NS.encode_snapshot({ROOT_INO: root}, R.SnapshotHeader(ROOT_INO + 1))
-        J.Journal(dev, sb, lambda: snap).format()
+        journal = J.Journal(dev, sb, lambda: snap)
+        journal.format()
+        if "unmount_marks" in sb.features:     # (a fresh image is a cleanly unmounted one)
+            journal.append(R.UNMOUNTED, R.pack_mark(t))
+            journal.flush()
         return sb
 
     def __init__(self, dev: ZonedDevice, options: StoreOptions | None = None):
@@ -225,6 +229,8 @@ class Store:
         #: without it they are refused, never stored unenforced
         self.acls = False
         self.journal_truncated = info.torn
+        self.clean_unmount = info.clean       # (None: an image made before "unmount_marks")
+        self.ends_unmounted = info.unmounted_at is not None    # (the last valid frame's mark)
         self.meta_problems = list(info.problems)
         self.meta_corrupt = info.corrupt
         self.recovered_partial: dict | None = None   # read-only recovery of a damaged snapshot
@@ -493,6 +499,25 @@ class Store:
         self.files.writeback()
         self.sync()
 
+    def mark_log(self, rtype: int) -> None:
+        """A frame holding only a mount mark (R.MOUNTED at a read-write mount's start,
+        R.UNMOUNTED at a clean unmount's end; feature "unmount_marks"), durable before anything
+        after it: so ``fsck`` tells a crash's unfinished flush from damage."""
+        if self.opts.readonly or "unmount_marks" not in (self.sb.features or ()):
+            return
+        try:
+            with self.io_lock:
+                with self.lock:
+                    self.journal.append(rtype, R.pack_mark(time.time_ns()))
+                self.journal_flush_iolocked(sync=True)
+        except OSError as e:
+            if self.failed is not None:
+                raise                 # a failed write or flush: final, as anywhere
+            # (metadata zones full: only what the mark tells fsck is lost; the record stays
+            # queued for the next flush)
+            log.warning("the %s mark was not written (%s): fsck may misread how this mount "
+                        "ended", R.NAMES[rtype], e)
+
     def close(self) -> None:
         """Unmount: commit every buffered file, flush the journal, release the device."""
         for ino in [i.ino for i in self.inodes.values() if i.has_buffered()]:
@@ -511,6 +536,8 @@ class Store:
             except OSError:
                 if self.failed is None:
                     raise
+        if self.failed is None:
+            self.mark_log(R.UNMOUNTED)
         if self.failed is not None:
             log.error("unmounted after a device error (%s): what no flush proved is checked "
                       "at the next mount", self.failed)

@@ -16,7 +16,7 @@ MAGIC = "retainzfs"
 FORMAT_VERSION = 2
 #: what this version writes and requires; an image naming a feature not listed is refused
 FEATURES = ("dup_meta", "batch_seq", "data_crc32c", "zone_gen", "snapshot_zlib", "flush_marks",
-            "xattr_records", "rename_exchange", "punch_hole", "rename_whiteout")
+            "xattr_records", "rename_exchange", "punch_hole", "rename_whiteout", "unmount_marks")
 
 
 class FormatError(Exception):

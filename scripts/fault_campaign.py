@@ -30,11 +30,12 @@ What one iteration does
                  un-fsync'd bytes are gone, the daemon and writer are killed and LazyFS is
                  restarted.  A fault that does not fire within 5 s (the group of writes was
                  shorter) falls back to the powercut sequence; the summary counts both.
-  3. ``retainzfs fsck IMG`` (unmounted) must exit 0; remount; verify (below).  In torn mode
-     fsck may instead exit 1 naming only what an unfinished flush leaves in the metadata log
-     (a torn last frame, a write pointer past the last frame, a mirror short of its last
-     frames) or a zone-table entry torn inside (torn-op tears finer than a sector); then,
-     after the verify, a clean umount and fsck must exit 0 (the mount repaired it).
+  3. ``retainzfs fsck IMG`` (unmounted) must exit 0; remount; verify (below).  When fsck
+     notes the unfinished last flush a crash left in the metadata log (a torn last frame, a
+     write pointer past the last frame, a mirror short of its last frames), a clean umount
+     after the verify and fsck must then show nothing (the mount repaired it).  In torn mode
+     fsck may instead exit 1 naming only zone-table entries torn inside (torn-op tears finer
+     than a sector), repaired the same way.
 
 Journal (outside the mount, ``<workdir>/<mode>/journal.txt``): the writer appends one line per
 event, written + fsync'd *after* the operation it describes returned:
@@ -538,13 +539,15 @@ def verify(mnt: str, jpath: str, seed: int, max_file: int, counts: dict,
 
 # ================================================================== process / mount helpers
 
-#: fsck problems an unfinished flush leaves (torn mode accepts them once): in the metadata log,
-#: and a zone-table entry torn by ``torn-op`` (it splits even a 16-byte write into parts, finer
-#: than a disk's sector: the entry reads as corrupt, its zone as full, its data by checksum)
-AFTERMATH = re.compile(r"journal: the last flush is torn"
-                       r"|metadata: metadata zone \d+: write pointer \d+ past its last frame"
-                       r"|metadata: metadata zone \d+ lost its last \d+ frames; mirror \d+ used"
-                       r"|metadata: zone table entry \d+ is corrupt")
+#: fsck's note on the unfinished last flush a crash left in the metadata log (a torn last
+#: frame, a write pointer past the last frame, a mirror short of its last frames): exit 0, the
+#: next mount drops it (format feature "unmount_marks": damage before a clean unmount's frame is
+#: a problem instead).
+UNFINISHED = "note: a mount or fsck --repair would drop the unfinished last flush"
+#: the one fsck problem torn mode accepts (once, then the mount must have repaired it): a
+#: zone-table entry torn inside by ``torn-op``, which splits even a 16-byte write into parts,
+#: finer than a disk's sector (the entry reads as corrupt, its zone as full, its data by checksum)
+TORN_ENTRY = re.compile(r"metadata: zone table entry \d+ is corrupt")
 
 
 def run_cmd(argv, check=True, timeout=120, **kw) -> subprocess.CompletedProcess:
@@ -716,20 +719,20 @@ class Target:
         if not wait_for(lambda: not image_locked(self.img), 30):
             raise Failure("image still locked after umount")
 
-    def fsck(self, tag: str, aftermath: bool = False) -> bool:
-        """``retainzfs fsck`` must exit 0.  ``aftermath`` (after a torn-write cut): exit 1 is
-        accepted when every problem it names is what a torn write leaves (``AFTERMATH``:
-        never acknowledged; a mount repairs each); returns True then, and the caller checks
-        the repair."""
+    def fsck(self, tag: str, torn: bool = False) -> bool:
+        """``retainzfs fsck`` must exit 0; True when it noted an unfinished flush a crash left
+        (``UNFINISHED``: the caller checks the mount repaired it).  ``torn`` (after a torn-write
+        cut): exit 1 is accepted when every problem it names is a zone-table entry torn inside
+        (``TORN_ENTRY``); True then too."""
         p = run_cmd([RETAINZFS, "fsck", self.img], check=False, timeout=300)
         out = p.stdout + p.stderr
         with open(os.path.join(self.wdir, "fsck.txt"), "a") as f:
             f.write(f"--- {tag}: rc={p.returncode}\n{out}")
         if p.returncode == 0:
-            return False
+            return UNFINISHED in p.stdout
         probs = [ln for ln in p.stdout.splitlines()
                  if ln.strip() and not ln.startswith("note:") and not ln.startswith(self.img + ":")]
-        if aftermath and p.returncode == 1 and probs and all(AFTERMATH.match(ln) for ln in probs):
+        if torn and p.returncode == 1 and probs and all(TORN_ENTRY.match(ln) for ln in probs):
             return True
         raise Failure(f"retainzfs fsck {self.img} ({tag}) -> rc={p.returncode}:\n{out.strip()}")
 
@@ -850,7 +853,7 @@ class Target:
 # ================================================================== the campaign
 
 def _torn_counts() -> dict:
-    return {"torn_fired": 0, "torn_kinds": {"torn-seq": 0, "torn-op": 0}, "torn_fsck_aftermath": 0}
+    return {"torn_fired": 0, "torn_kinds": {"torn-seq": 0, "torn-op": 0}}
 
 
 def retire(t: Target, counts: dict) -> None:
@@ -897,15 +900,17 @@ def campaign(mode: str, iters: int, args, counts: dict, log) -> None:
             t.crash(w, counts)
             counts["kills" if mode == "kill" else "power_cuts"] += 1
             torn = t.fsck(f"iteration {it} after {'kill' if mode == 'kill' else 'power cut'}",
-                          aftermath=mode == "torn")
+                          torn=mode == "torn")
             eof = eof_extents(t.img)
             t.mount()
             verify(t.mnt, t.journal, args.seed, args.max_file, counts, eof, args.allow_eof_extents)
             t.check_daemon_log()
             if torn:                     # the mount must have repaired what fsck named
-                counts["torn_fsck_aftermath"] += 1
+                counts["fsck_unfinished"] += 1
                 t.umount()
-                t.fsck(f"iteration {it}: after the mount that followed a torn flush")
+                if t.fsck(f"iteration {it}: after the mount that followed a torn flush"):
+                    raise Failure(f"iteration {it}: fsck still notes an unfinished flush after "
+                                  f"a mount and a clean umount")
                 t.mount()
             counts["iterations"] += 1
             it += 1
@@ -1011,7 +1016,8 @@ def main(argv=None) -> int:
     counts = {"iterations": 0, "kills": 0, "power_cuts": 0, "files_verified": 0,
               "partial_files_verified": 0, "bytes_verified": 0, "deletions_verified": 0,
               "distinct_acked_files": 0, "distinct_durable_deletions": 0, "generations_started": 0,
-              "eof_leak_iterations": 0, "eof_leak_bytes": 0, "failures": 0, **_torn_counts()}
+              "eof_leak_iterations": 0, "eof_leak_bytes": 0, "failures": 0, "fsck_unfinished": 0,
+              **_torn_counts()}
     t0 = time.monotonic()
 
     def log(msg):
@@ -1036,9 +1042,10 @@ def main(argv=None) -> int:
               f"{counts['generations_started']} generations), "
               + (f"{counts['eof_leak_iterations']} iterations with extents past EOF "
                  f"({counts['eof_leak_bytes']} B, tolerated), " if counts['eof_leak_iterations'] else "")
-              + (f"{counts['torn_fired']} torn-write faults fired ({counts['torn_kinds']}; fsck "
-                 f"named an unfinished flush {counts['torn_fsck_aftermath']} times, repaired), "
+              + (f"{counts['torn_fired']} torn-write faults fired ({counts['torn_kinds']}), "
                  if args.mode == "torn" else "")
+              + f"fsck noted an unfinished flush {counts['fsck_unfinished']} times (each "
+                f"repaired by the mount), "
               + f"{counts['failures']} failures, {counts['seconds']} s")
     if counts["failures"]:
         with open(os.path.join(args.workdir, "FAILURE.txt"), "w") as f:

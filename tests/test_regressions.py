@@ -635,8 +635,10 @@ def test_fsck_of_a_mounted_image_or_its_mountpoint_says_what_to_do(mounted):
 
 
 def test_fsck_fails_when_replay_would_stop_early(mounted):
-    """Damage in both copies of a frame in the middle of the log, and a torn last flush: fsck
-    exits non-zero for each (and for a single repaired copy too)."""
+    """Damage in both copies of a frame in the middle of the log, or of the last acknowledged
+    frame: fsck exits non-zero for each.  Since the unmount marks (a clean unmount's own last
+    frame) the latter is damage with a valid frame after it, not a torn tail; the mark's frame
+    lost loses nothing and reads as a crash (noted, exit 0)."""
     from test_durability import _flip_meta, _meta_frames
     for i in range(4):
         (mounted / f"d{i}").mkdir()
@@ -645,14 +647,17 @@ def test_fsck_fails_when_replay_would_stop_early(mounted):
     mounted.umount()
     assert fsck(mounted.img).returncode == 0
     frames, _, _ = _meta_frames(mounted.img)
-    seq, pair, off = frames[-1]
-    _flip_meta(mounted.img, [2 * pair, 2 * pair + 1], off + 40)     # torn tail
-    p = fsck(mounted.img)
-    assert p.returncode != 0 and "torn" in p.stdout, p.stdout
-    seq, pair, off = frames[-3]
-    _flip_meta(mounted.img, [2 * pair, 2 * pair + 1], off + 40)     # middle: corrupt
-    p = fsck(mounted.img)
-    assert p.returncode != 0 and "missing" in p.stdout + p.stderr or "damaged" in p.stdout, p.stdout
+    for which, bad in ((-1, False), (-2, True), (-4, True)):
+        seq, pair, off = frames[which]
+        _flip_meta(mounted.img, [2 * pair, 2 * pair + 1], off + 40)
+        p = fsck(mounted.img)
+        if bad:                                                     # acknowledged: damage
+            assert p.returncode == 1 and "damaged in both copies" in p.stdout, p.stdout
+        else:                                                       # the unmount mark
+            assert p.returncode == 0 and "unfinished last flush" in p.stdout, p.stdout
+            assert "not cleanly unmounted" in p.stdout, p.stdout
+        _flip_meta(mounted.img, [2 * pair, 2 * pair + 1], off + 40)     # undone (XOR)
+        assert fsck(mounted.img).returncode == 0
 
 
 # ------------------------------------------------------------------ found by the fault campaign
@@ -660,8 +665,9 @@ def test_a_power_cut_that_kept_a_metadata_write_pointer_and_lost_its_frames(moun
     """Found by the torn-write campaign (LazyFS torn-seq, ``fault_campaign.py --mode torn``):
     the image's zone table is written apart from the frames, so a power cut can keep a
     metadata zone's new write pointer and lose the frames of an unfinished flush under it.
-    fsck called that "its zone-table entry is damaged"; it names the power cut now (exit 1:
-    not clean until a mount), nothing acknowledged is lost, and the mount repairs it."""
+    fsck called that "its zone-table entry is damaged" (exit 1); it names the power cut now,
+    as a repair the mount makes (exit 0 since the unmount marks: a crash cut the log, so its
+    end is an unfinished flush), nothing acknowledged is lost, and the mount repairs it."""
     from retainzfs.device import open_device
     from test_durability import _meta_frames
     a = os.urandom(300_000)
@@ -678,7 +684,9 @@ def test_a_power_cut_that_kept_a_metadata_write_pointer_and_lost_its_frames(moun
     run("fusermount3", "-uz", mounted.path, check=False)
     frames, data_off, zsize = _meta_frames(mounted.img)
     new = sorted(f for f in frames if f not in before)
-    assert new, "the unfsynced close and mkdir wrote no frame"
+    # (the first is the mount's own frame, durable before any other: unmount marks)
+    assert len(new) > 1, "the unfsynced close and mkdir wrote no frame"
+    new = new[1:]
     _, pair, off = new[0]
     assert all(p == pair for _, p, _ in new)
     dev = open_device(str(mounted.img))
@@ -690,9 +698,10 @@ def test_a_power_cut_that_kept_a_metadata_write_pointer_and_lost_its_frames(moun
             f.seek(data_off + z * zsize + off)
             f.write(bytes(wp - off))
     p = fsck(mounted.img)
-    assert p.returncode == 1, p.stdout + p.stderr
-    probs = [ln for ln in p.stdout.splitlines() if ln.startswith("metadata:")]
-    assert probs and all("lost by a power cut" in ln for ln in probs), p.stdout
+    assert p.returncode == 0, p.stdout + p.stderr
+    notes = [ln for ln in p.stdout.splitlines() if "unfinished last flush" in ln]
+    assert notes and all("lost by a power cut" in ln for ln in notes), p.stdout
+    assert not [ln for ln in p.stdout.splitlines() if ln.startswith("metadata:")], p.stdout
     mounted.mount()
     assert (mounted / "a").read_bytes() == a
     assert not (mounted / "b").exists() or (mounted / "b").read_bytes() == b"x" * 5000

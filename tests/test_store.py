@@ -9,6 +9,8 @@ import random
 import stat
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from retainzfs import _journal as J
 from retainzfs import hints as H
@@ -1493,3 +1495,174 @@ def test_holes_need_the_feature_and_replay_in_order(tmp_path, monkeypatch):
     finally:
         s.close()
         dev.close()
+
+
+def _fsck(path):
+    """(problems, repairs) as ``retainzfs fsck`` finds them, from a read-only open."""
+    from retainzfs.cli.main import _fsck_findings
+    dev = open_device(path, readonly=True)
+    try:
+        s = Store(dev, StoreOptions(readonly=True))
+        return _fsck_findings(s), s.clean_unmount
+    finally:
+        dev.close()
+
+
+def _flip_both(path, dev, sb, which=-1, where=None):
+    """Damage both copies of one frame (the last by default; ``where``: a (pair, offset) from
+    before); XOR, so a second flip undoes it.  Returns the device reopened and the place."""
+    pair, off = where or _frames(dev, sb)[which][1:]
+    dev.close()
+    for z in (2 * pair, 2 * pair + 1):
+        _flip(path, z, off + 40)
+    return open_device(path), (pair, off)
+
+
+def test_unmount_marks_tell_a_crash_from_damage(tmp_path, monkeypatch):
+    """Format feature ``unmount_marks``: a clean unmount ends the log with its own frame.  A
+    torn last frame after a crash is an unfinished flush (fsck: a repair, no problem); after a
+    clean unmount the last acknowledged frame damaged in both copies has the mark's frame after
+    it, so it reads as damage (before: a torn tail, dropped); the mark's frame lost loses
+    nothing.  An image made before the feature cannot tell: its torn tail stays a problem."""
+    path, dev, s = fresh(tmp_path)
+    assert "unmount_marks" in s.sb.features and s.clean_unmount is True   # mkfs: clean
+    a = put(s, 1, b"a", b"acknowledged", durable=True)
+    sb = s.sb
+    s.close()
+    dev.close()
+    (probs, repairs), clean = _fsck(path)
+    assert probs == [] and repairs == [] and clean is True
+    # the mark's frame is the last and holds nothing else: lost in both copies, nothing lost
+    dev, _ = _flip_both(path, open_device(path), sb)
+    dev.close()
+    (probs, repairs), clean = _fsck(path)
+    assert probs == [] and clean is False, probs
+    assert any("unfinished last flush" in r and "torn" in r for r in repairs), repairs
+    dev = open_device(path)
+    s = Store(dev)
+    assert s.journal_truncated and read_all(s, a) == b"acknowledged"
+    s.close()
+    dev.close()
+    (probs, repairs), clean = _fsck(path)
+    assert probs == [] and repairs == [] and clean is True   # the mount repaired it
+    # the last acknowledged frame (before the mark) damaged in both copies: damage now
+    dev = open_device(path)
+    s = Store(dev)
+    put(s, 1, b"c", b"fsynced", durable=True)
+    s.close()
+    dev, where = _flip_both(path, dev, sb, -2)
+    dev.close()
+    (probs, repairs), clean = _fsck(path)
+    assert any("damaged in both copies" in p for p in probs), probs
+    dev, _ = _flip_both(path, open_device(path), sb, where=where)     # undone
+    dev.close()
+    assert _fsck(path)[0] == ([], [])
+    # a crash: the daemon's last flush torn in both copies -> a repair the mount makes
+    dev = open_device(path)
+    s = Store(dev)
+    put(s, 1, b"b", b"closed, never fsynced", durable=False)
+    s.sync()
+    dev.flush()
+    dev, _ = _flip_both(path, dev, sb)              # (no close: a crash)
+    dev.close()
+    (probs, repairs), clean = _fsck(path)
+    assert probs == [] and clean is False, probs
+    assert any("unfinished last flush" in r for r in repairs), repairs
+    dev = open_device(path)
+    s = Store(dev)
+    assert s.clean_unmount is False and read_all(s, a) == b"acknowledged"
+    s.close()
+    dev.close()
+    assert _fsck(path) == (([], []), True)
+    # an image made before the feature: no mark is written, a torn tail stays a problem
+    path, dev, s = fresh_without(tmp_path, monkeypatch, "unmount_marks")
+    put(s, 1, b"a", b"old", durable=True)
+    sb = s.sb
+    assert s.clean_unmount is None
+    s.close()
+    dev.close()
+    dev, _ = _flip_both(path, open_device(path), sb)
+    dev.close()
+    (probs, repairs), clean = _fsck(path)
+    assert clean is None and any("the last flush is torn" in p for p in probs), probs
+
+
+@given(value=st.one_of(st.integers(0, 300), st.integers(3900, 4300), st.integers(8000, 8400),
+                      st.integers(12100, 12305)),
+       files=st.integers(1, 3), clean=st.booleans(), damage=st.sampled_from([None, -1, -2]))
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_fsck_tells_a_crash_from_damage_whatever_the_last_frames_hold(
+        tmp_path_factory, value, files, clean, damage):
+    """Frames of any length around the block size (an xattr of ``value`` bytes is the last
+    acknowledged record), a clean unmount or a crash, and both copies of the last or the
+    one-before-last frame damaged: fsck (feature "unmount_marks") calls the last frame's loss
+    an unfinished flush (a repair, no problem) and any earlier frame's damage a problem; a
+    clean log reads clean; every acknowledged file survives unless damage was reported."""
+    tmp = tmp_path_factory.mktemp("marks")
+    path, dev, s = fresh(tmp)
+    sb = s.sb
+    inos = [put(s, 1, b"f%d" % k, b"data %d" % k, durable=True) for k in range(files)]
+    s.setxattr(inos[-1], b"user.v", b"v" * value)
+    s.commit(inos[-1], durable=True)
+    if clean:
+        s.close()
+    else:
+        s.flushes.workers.shutdown(wait=True)         # a crash: no unmount
+    dev.close()
+    if damage is not None:
+        dev, _ = _flip_both(path, open_device(path), sb, damage)
+        dev.close()
+    (probs, repairs), was_clean = _fsck(path)
+    unfinished = [r for r in repairs if "unfinished last flush" in r]
+    if damage == -2:
+        assert any("damaged in both copies" in p for p in probs), (probs, repairs)
+        return
+    assert probs == [], probs
+    assert was_clean is (clean and damage is None)
+    assert bool(unfinished) is (damage == -1), repairs
+    dev = open_device(path)
+    s = Store(dev)
+    for k, ino in enumerate(inos):
+        assert read_all(s, ino) == b"data %d" % k
+    if damage is None or clean:      # (a crash's last frame held the fsynced xattr: lost)
+        assert s.getxattr(inos[-1], b"user.v") == b"v" * value
+    s.close()
+    dev.close()
+    assert _fsck(path) == (([], []), True)
+
+
+def test_frames_a_power_cut_took_after_a_mount_are_an_unfinished_flush(tmp_path):
+    """A power cut that kept a metadata zone's write pointer (its own zone-table write) and lost
+    the frames under it, in the first mount after a clean unmount: the mount's own frame
+    (R.MOUNTED, durable before any other) is the log's end, so fsck calls the loss an
+    unfinished flush (exit 0), not damage after a clean unmount's frame."""
+    path, dev, s = fresh(tmp_path)
+    a = put(s, 1, b"a", b"fsynced", durable=True)
+    sb = s.sb
+    s.close()
+    dev.close()
+    dev = open_device(path)
+    s = Store(dev)                                  # a read-write mount: its mark first
+    before = set(_frames(dev, sb))
+    put(s, 1, b"b", b"closed, never fsynced", durable=False)
+    new = sorted(f for f in _frames(dev, sb) if f not in before)
+    assert new
+    _, pair, off = new[0]
+    wps = [dev.zone(z).wp for z in (2 * pair, 2 * pair + 1)]
+    data_off, zsize = dev._data_off, dev.zone_size
+    s.flushes.workers.shutdown(wait=True)           # the power cut
+    dev.close()
+    with open(path, "r+b") as f:                    # the frames lost, the table's entries kept
+        for z, wp in zip((2 * pair, 2 * pair + 1), wps):
+            f.seek(data_off + z * zsize + off)
+            f.write(bytes(wp - off))
+    (probs, repairs), clean = _fsck(path)
+    assert probs == [] and clean is False, probs
+    assert any("unfinished last flush" in r and "past its last frame" in r for r in repairs)
+    dev = open_device(path)
+    s = Store(dev)
+    assert read_all(s, a) == b"fsynced"
+    s.close()
+    dev.close()
+    assert _fsck(path) == (([], []), True)

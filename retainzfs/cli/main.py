@@ -181,16 +181,35 @@ def cmd_status(args) -> int:
 def _fsck_findings(store) -> tuple[list[str], list[str]]:
     """(problems, safe repairs) of a read-only opened store: one line each."""
     from ..device import ZoneCond
+    from .._journal import Aftermath
     problems = store.check()
     st = store.status()
+    # With mount marks (feature "unmount_marks") an acknowledged frame is never the last of a
+    # log: a clean unmount's frame follows it, or a crash cut the log.  So a torn end is a
+    # crash's unfinished flush (the mount drops it), and damage before the unmount's frame
+    # reads as damage.  Frames lost under a write pointer or from one copy are an unfinished
+    # flush unless the log ends in an unmount's frame (a mount makes its own frame durable
+    # before any other, so none was lost after it: damage).  Images made before the feature
+    # cannot tell: exit 1.
+    marks = st["clean_unmount"] is not None
+    tail = []
     for mp in st.get("metadata_problems") or []:
-        problems.append(f"metadata: {mp}")
+        if marks and isinstance(mp, Aftermath) and not store.ends_unmounted:
+            tail.append(mp)
+        else:
+            problems.append(f"metadata: {mp}")
     if st.get("metadata_corrupt"):
         problems.append(f"metadata: {st['metadata_corrupt']} (not repairable in place: "
                         f"mount -o ro and copy the files out)")
     if st["journal_truncated"]:
-        problems.append("journal: the last flush is torn (it was never acknowledged)")
+        if marks:
+            tail.insert(0, "its last frame is torn")
+        else:
+            problems.append("journal: the last flush is torn (it was never acknowledged)")
     repairs = []
+    if tail:
+        repairs.append(f"drop the unfinished last flush of the log, which a crash or power cut "
+                       f"cut ({'; '.join(tail)})")
     if (st.get("metadata_problems") or st["journal_truncated"]) and not st.get("metadata_corrupt"):
         repairs.append("write a fresh metadata snapshot to a free zone pair (two good copies)")
     # What a crash normally leaves (a mount cleans it up) is a repair, not an inconsistency:
@@ -247,6 +266,7 @@ def cmd_fsck(args) -> int:
     finally:
         dev.close()
     result = {"target": args.target, "files": st["files"], "problems": problems,
+              "clean_unmount": st["clean_unmount"],
               "repairs_planned": repairs if args.repair else [], "repaired": False}
     if not args.json:
         for p in problems:
@@ -274,7 +294,9 @@ def cmd_fsck(args) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(f"{args.target}: {st['files']} files, {len(problems)} problems"
-              + (" after repair" if result["repaired"] else ""))
+              + (" after repair" if result["repaired"] else "")
+              + ("; not cleanly unmounted (a mount replays the journal)"
+                 if st["clean_unmount"] is False and not result["repaired"] else ""))
     return 1 if problems else 0
 
 

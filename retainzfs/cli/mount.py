@@ -468,8 +468,10 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
         store.tuning["workers"] = {                     # (started at INIT: fewer under pids.max)
             "flush": store.flushes.workers.size, "flush_wanted": store.flushes.workers.wanted,
             "readahead": store.reads.ra.pool.size, "readahead_wanted": store.reads.ra.pool.wanted}
-        log.info("mounted %s on %s (allocator=%s, read_ahead_kb=%s, image_io=%s)", target, mnt,
-                 store.opts.allocator, ra, store.tuning["image_io"])
+        log.info("mounted %s on %s (allocator=%s, read_ahead_kb=%s, image_io=%s%s)", target, mnt,
+                 store.opts.allocator, ra, store.tuning["image_io"],
+                 "; the last mount was not cleanly unmounted: its journal replayed"
+                 if store.clean_unmount is False else "")
         if supervise.STOP:          # a signal came while mounting: libfuse's handler now stops
             log.info("signal %d while mounting: unmounting", supervise.STOP[0])
             os.kill(os.getpid(), signal.SIGTERM)
