@@ -940,8 +940,10 @@ class ImageZonedDevice(ZonedDevice):
                 return
             self._alloc.discard(zone)
             if not _punch_hole(self._fd, off, self.zone_size):
+                # (a host that punches no holes, a FUSE one: zeros over what the zone held;
+                # nothing for a zone opened and reset before any write -- found on LazyFS)
                 zeros = bytes(min(old_wp, 4 * MiB))
-                for pos in range(0, old_wp, len(zeros)):
+                for pos in range(0, old_wp, max(len(zeros), 1)):
                     os.pwrite(self._fd, zeros[:old_wp - pos], off + pos)
             elif zone in self._kept:        # zeros again, still the image's own blocks
                 _fallocate(self._fd, _FALLOC_KEEP_SIZE, off, self.zone_size)
