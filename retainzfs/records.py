@@ -35,9 +35,9 @@ ZONE_RESET = 31     # the zone was reset: its generation is now ``gen``
 #: writes missing from the medium only if no such record proves them (``recovery.Proofs``).
 FLUSHED = 32
 ALL_BEFORE = (1 << 64) - 1
-#: Mount marks (feature ``unmount_marks``), each the only record of its frame, with the time.
-#: UNMOUNTED ends the log at a clean unmount (and mkfs), written after everything else was
-#: durable: so the damage of an acknowledged frame at the end of a cleanly unmounted log has a
+#: Mount marks (feature ``unmount_marks``, ``lifecycle.mark_log``), with the time.  UNMOUNTED,
+#: alone in its frame, ends the log at a clean unmount (and mkfs), written after everything
+#: else was durable: so the damage of an acknowledged frame at the end of a cleanly unmounted log has a
 #: valid frame after it (damage, not a crash's torn flush), and a log that does not end in one
 #: was cut by a crash, whose torn end is what an unfinished flush leaves (``fsck`` notes it,
 #: exit 0).  MOUNTED is a read-write mount's first frame, durable before any other: so frames

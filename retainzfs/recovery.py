@@ -33,6 +33,7 @@ from . import records as R
 from ._alloc import Allocator
 from .csums import ZoneChecksums
 from .device import ZoneCond
+from .lifecycle import mark_log
 from .namespace import Inode
 from .namespace import ROOT_INO
 
@@ -326,7 +327,7 @@ class MountRecovery:
             s.dev.flush()
         s._reset_empty_zones()
         # after the repairs (which flush what they write), before anything the mount serves
-        s.mark_log(R.MOUNTED)
+        mark_log(s, R.MOUNTED)
 
     def drop_lost_writes(self, proofs: "Proofs") -> None:
         """Forget data writes a power cut took from the device's cache, when nothing proves

@@ -40,7 +40,6 @@ import gc
 import logging
 import math
 import os
-import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -53,10 +52,11 @@ from .recovery import MountRecovery
 from .csums import ZoneChecksums
 from .datapath import DataPath
 from .readpath import ReadPath
-from .device import ZoneCond, ZonedDevice
+from .device import ZonedDevice
 from .errors import FsError
 from .failure import Failure
 from .fsck import Fsck
+from .lifecycle import format_store, mark_log
 from . import namespace as NS
 from .namespace import ROOT_INO, Inode
 from .nsops import NAME_MAX, NamespaceOps, StoreHints
@@ -67,7 +67,7 @@ from .openfiles import OpenFiles
 from .reclaim import Reclaim
 from .room import MetaRoom
 from .stats import LatencyHistogram, StoreStats
-from .superblock import FormatError, Superblock, default_meta_zones, meta_zones_problem
+from .superblock import FormatError
 
 log = logging.getLogger("retainzfs")
 
@@ -77,12 +77,6 @@ DIRTY_BYTES = 128 << 20        # all files' write buffers together (OpenFiles)
 DIRTY_EXPIRE = 30.0            # seconds a buffered byte may wait for the periodic writeback
 __all__ = ["FsError", "Inode", "LatencyHistogram", "NAME_MAX", "ROOT_INO", "Store",
            "StoreOptions"]
-
-
-
-
-def now_ns() -> int:
-    return time.time_ns()
 
 
 class _Via:
@@ -122,41 +116,7 @@ class Store:
     """A mounted retainzfs filesystem on a ZonedDevice."""
 
     # ------------------------------------------------------------------ format / open
-    @staticmethod
-    def format(dev: ZonedDevice, *, meta_zones: int | None = None,
-               allocator: str = "retainz", gc_reserve: int = 1,
-               root_owner: tuple[int, int] = (0, 0)) -> Superblock:
-        """Write a fresh filesystem: reset every zone, superblock + empty snapshot in pair 0.
-        ``root_owner`` (uid, gid) owns the root directory: mkfs gives it to whoever runs mkfs,
-        so a user who makes an image can write in it when they mount it."""
-        if meta_zones is None:
-            meta_zones = default_meta_zones(dev.nr_zones, dev.zone_capacity)
-        why = meta_zones_problem(meta_zones)
-        if why:
-            raise FsError(errno.EINVAL, why)
-        if dev.nr_zones < meta_zones + 2 + gc_reserve:
-            raise FsError(errno.EINVAL, f"device has {dev.nr_zones} zones; need at least "
-                                        f"{meta_zones + 2 + gc_reserve}")
-        if dev.max_active and dev.max_active < 4:
-            raise FsError(errno.EINVAL, f"device allows {dev.max_active} active zones; need at "
-                                        f"least 4 (a metadata pair and two data zones)")
-        err = dev.keep_allocated(range(meta_zones))
-        if err and err != errno.EOPNOTSUPP:
-            raise FsError(err, f"cannot allocate the metadata zones: {os.strerror(err)}")
-        sb = Superblock.new(dev, meta_zones, allocator, gc_reserve)
-        for z in range(meta_zones, dev.nr_zones):
-            if dev.zone(z).wp or dev.zone(z).cond != ZoneCond.EMPTY:
-                dev.reset(z)
-        t = now_ns()
-        root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, nlink=2, uid=root_owner[0],
-                     gid=root_owner[1], atime=t, mtime=t, ctime=t)
-        snap = NS.encode_snapshot({ROOT_INO: root}, R.SnapshotHeader(ROOT_INO + 1))
-        journal = J.Journal(dev, sb, lambda: snap)
-        journal.format()
-        if "unmount_marks" in sb.features:     # (a fresh image is a cleanly unmounted one)
-            journal.append(R.UNMOUNTED, R.pack_mark(t))
-            journal.flush()
-        return sb
+    format = staticmethod(format_store)     # mkfs (lifecycle.py)
 
     def __init__(self, dev: ZonedDevice, options: StoreOptions | None = None):
         self.dev = dev
@@ -499,25 +459,6 @@ class Store:
         self.files.writeback()
         self.sync()
 
-    def mark_log(self, rtype: int) -> None:
-        """A frame holding only a mount mark (R.MOUNTED at a read-write mount's start,
-        R.UNMOUNTED at a clean unmount's end; feature "unmount_marks"), durable before anything
-        after it: so ``fsck`` tells a crash's unfinished flush from damage."""
-        if self.opts.readonly or "unmount_marks" not in (self.sb.features or ()):
-            return
-        try:
-            with self.io_lock:
-                with self.lock:
-                    self.journal.append(rtype, R.pack_mark(time.time_ns()))
-                self.journal_flush_iolocked(sync=True)
-        except OSError as e:
-            if self.failed is not None:
-                raise                 # a failed write or flush: final, as anywhere
-            # (metadata zones full: only what the mark tells fsck is lost; the record stays
-            # queued for the next flush)
-            log.warning("the %s mark was not written (%s): fsck may misread how this mount "
-                        "ended", R.NAMES[rtype], e)
-
     def close(self) -> None:
         """Unmount: commit every buffered file, flush the journal, release the device."""
         for ino in [i.ino for i in self.inodes.values() if i.has_buffered()]:
@@ -537,7 +478,7 @@ class Store:
                 if self.failed is None:
                     raise
         if self.failed is None:
-            self.mark_log(R.UNMOUNTED)
+            mark_log(self, R.UNMOUNTED)
         if self.failed is not None:
             log.error("unmounted after a device error (%s): what no flush proved is checked "
                       "at the next mount", self.failed)

@@ -208,8 +208,8 @@ def _fsck_findings(store) -> tuple[list[str], list[str]]:
             problems.append("journal: the last flush is torn (it was never acknowledged)")
     repairs = []
     if tail:
-        repairs.append(f"drop the unfinished last flush of the log, which a crash or power cut "
-                       f"cut ({'; '.join(tail)})")
+        repairs.append(f"drop the unfinished last flush a crash or power cut left in the log "
+                       f"({'; '.join(tail)})")
     if (st.get("metadata_problems") or st["journal_truncated"]) and not st.get("metadata_corrupt"):
         repairs.append("write a fresh metadata snapshot to a free zone pair (two good copies)")
     # What a crash normally leaves (a mount cleans it up) is a repair, not an inconsistency:
