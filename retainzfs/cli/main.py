@@ -85,7 +85,9 @@ def print_status(st: dict, path: str) -> None:
     t.add_row("free", _human(st["free_bytes"]))
     t.add_row("zone resets", str(st["zone_resets"]))
     t.add_row("host WA", f"{st['host_wa']:.4f} (GC copied {_human(st['gc_copied_bytes'])})")
-    t.add_row("journal", _human(st["journal_bytes"]))
+    t.add_row("journal", _human(st["journal_bytes"]) + {
+        True: "; the last unmount was clean", False: "; the last mount ended in a crash or "
+        "power cut (its journal is replayed)", None: ""}[st.get("clean_unmount")])
     t.add_row("p99 commit", f"{st['p99_commit_ms']:.2f} ms over {st['commits']} commits")
     t.add_row("mean placement", f"{st['mean_alloc_us']:.2f} us")
     meta = ("damaged beyond the mirror: " + st["metadata_corrupt"]) if st.get("metadata_corrupt") \
