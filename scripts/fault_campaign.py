@@ -899,16 +899,16 @@ def campaign(mode: str, iters: int, args, counts: dict, log) -> None:
                               f"{t.writer_error()}")
             t.crash(w, counts)
             counts["kills" if mode == "kill" else "power_cuts"] += 1
-            torn = t.fsck(f"iteration {it} after {'kill' if mode == 'kill' else 'power cut'}",
-                          torn=mode == "torn")
+            noted = t.fsck(f"iteration {it} after {'kill' if mode == 'kill' else 'power cut'}",
+                           torn=mode == "torn")
             eof = eof_extents(t.img)
             t.mount()
             verify(t.mnt, t.journal, args.seed, args.max_file, counts, eof, args.allow_eof_extents)
             t.check_daemon_log()
-            if torn:                     # the mount must have repaired what fsck named
+            if noted:                    # the mount must have repaired what fsck named
                 counts["fsck_unfinished"] += 1
                 t.umount()
-                if t.fsck(f"iteration {it}: after the mount that followed a torn flush"):
+                if t.fsck(f"iteration {it}: after the mount that followed an unfinished flush"):
                     raise Failure(f"iteration {it}: fsck still notes an unfinished flush after "
                                   f"a mount and a clean umount")
                 t.mount()
