@@ -1498,7 +1498,8 @@ def test_holes_need_the_feature_and_replay_in_order(tmp_path, monkeypatch):
 
 
 def _fsck(path):
-    """(problems, repairs) as ``retainzfs fsck`` finds them, from a read-only open."""
+    """((problems, repairs) as ``retainzfs fsck`` finds them, ``clean_unmount``), from a
+    read-only open."""
     from retainzfs.cli.main import _fsck_findings
     dev = open_device(path, readonly=True)
     try:
