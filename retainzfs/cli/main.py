@@ -184,6 +184,7 @@ def _fsck_findings(store) -> tuple[list[str], list[str]]:
     """(problems, safe repairs) of a read-only opened store: one line each."""
     from ..device import ZoneCond
     from .._journal import Aftermath
+    from ..lifecycle import MARKS_FEATURE
     problems = store.check()
     st = store.status()
     # With mount marks (feature "unmount_marks") an acknowledged frame is never the last of a
@@ -193,7 +194,7 @@ def _fsck_findings(store) -> tuple[list[str], list[str]]:
     # flush unless the log ends in an unmount's frame (a mount makes its own frame durable
     # before any other, so none was lost after it: damage).  Images made before the feature
     # cannot tell: exit 1.
-    marks = st["clean_unmount"] is not None
+    marks = MARKS_FEATURE in (store.sb.features or ())
     tail = []
     for mp in st.get("metadata_problems") or []:
         if marks and isinstance(mp, Aftermath) and not store.ends_unmounted:
