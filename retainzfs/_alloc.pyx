@@ -988,7 +988,8 @@ cdef class Streams:
     cdef double span
     cdef double zenfs_base
     cdef bint use_size
-    cdef dict gen_ids        # (stream, birth) -> generation id
+    cdef dict gen_ids        # (stream, birth) -> generation id (``Allocator._bound_gens``)
+    cdef int32_t next_gid    # ids are never reused: a forgotten generation gets a new one
     cdef dict cad            # stream -> [last birth, cadence]
     cdef double zbase_seen
 
@@ -1000,6 +1001,7 @@ cdef class Streams:
         self.zenfs_base = zenfs_base
         self.use_size = use_size
         self.gen_ids = {}
+        self.next_gid = 0
         self.cad = {}
         self.zbase_seen = 0.0
 
@@ -1031,7 +1033,8 @@ cdef class Streams:
         key = (stream, birth)
         g = self.gen_ids.get(key)
         if g is None:
-            g = len(self.gen_ids)
+            g = self.next_gid
+            self.next_gid += 1
             self.gen_ids[key] = g
         return g
 
@@ -1080,6 +1083,9 @@ cdef class Allocator:
     cdef readonly int finish_threshold
     cdef readonly double zenfs_base
     cdef readonly bint fullscan
+    #: generation ids kept before those owning no zone are forgotten (``_bound_gens``)
+    cdef public Py_ssize_t max_generations
+    cdef Py_ssize_t gen_kept       # generation ids kept by the last ``_bound_gens``
 
     cdef Summaries s
     cdef Policy p
@@ -1145,6 +1151,8 @@ cdef class Allocator:
                         self.lam, max_active, finish_threshold)
         self.st = Streams(zone_capacity, self.hint_grid, self.span, self.zenfs_base, use_size)
         self.writers = {}
+        self.max_generations = 4096
+        self.gen_kept = 0
         self.pend_zone = -1
         self.pend_gen = -1
         self.pend_life = L_NOT_SET
@@ -1219,6 +1227,7 @@ cdef class Allocator:
         if birth is not None:
             self.st.learn(stream, a, d)
         cdef int32_t gid = self.st.gen(stream, birth)
+        self._bound_gens(gid)
         cdef int8_t life = self.st.life_class(d, a)
         cdef double window = self.st.window(d, a, stream, s, ss)
         self.last_window = window
@@ -1265,6 +1274,27 @@ cdef class Allocator:
                 del self.writers[next(iter(self.writers))]
         return (p.out_zone, p.out_nbytes, fin)
 
+    cdef int _bound_gens(self, int32_t keep) except -1:
+        """Forget the ids of generations that own no zone once there are ``max_generations``:
+        a daemon that saves a checkpoint every few minutes for months would otherwise keep one
+        per save.  An id only tells a zone's owner apart (``isolate``'s best fit, the mixed
+        mark), so a generation that owns no zone loses nothing by getting a new id when it
+        writes again (ids are never reused).  Kept: the owners of every zone (the cached
+        summaries hold them in fullscan mode too), the last place()'s and ``keep``.  The next
+        pass waits for twice what this one kept, so a device of many single-owner zones is
+        not rescanned on every call."""
+        if len(self.st.gen_ids) <= max(self.max_generations, 2 * self.gen_kept):
+            return 0
+        cdef int32_t *owner = self.s.cv.owner
+        cdef int z
+        live = {keep, self.pend_gen}
+        for z in range(self.first_data_zone, self.nr_zones):
+            if owner[z] >= 0:
+                live.add(owner[z])
+        self.st.gen_ids = {k: g for k, g in self.st.gen_ids.items() if g in live}
+        self.gen_kept = len(self.st.gen_ids)
+        return 0
+
     def release_writer(self, writer):
         """The writer (file) was closed: its next write allocates afresh (zenfs)."""
         self.writers.pop(writer, None)
@@ -1286,6 +1316,7 @@ cdef class Allocator:
                 return
             if birth is not None:
                 gid = self.st.gen(0 if stream is None else stream, birth)
+                self._bound_gens(gid)
                 life = self.st.life_class(d, float(birth))
             elif z == self.pend_zone:
                 gid = self.pend_gen
@@ -1408,4 +1439,5 @@ cdef class Allocator:
                 "mean_place_us": (self.place_ns / self.n_places / 1000.0) if self.n_places else 0.0,
                 "new_zones": self.n_new, "finishes": self.n_finish,
                 "fallbacks": self.n_fallback, "nospace": self.n_nospace,
-                "active": self.s.cv.n_act, "empty": self.s.cv.n_empty}
+                "active": self.s.cv.n_act, "empty": self.s.cv.n_empty,
+                "generations": len(self.st.gen_ids)}

@@ -45,6 +45,9 @@ INF = math.inf
 #: a user's generation/rolling regex may backtrack catastrophically; one match may take at most
 #: this long, and a policy whose pattern ever times out stops matching (and says so)
 MATCH_TIMEOUT = 0.01
+#: names whose generation is remembered per policy before the memo starts afresh (one name
+#: per save under a policy's directory: bounded for a daemon that runs for months)
+POLICY_CACHE_MAX = 4096
 _PROBES = ["a" * 64 + "!", "1" * 64 + "!", "step-" + "1" * 60 + "x", "-_=." * 16 + "!",
            "aA0-_=." * 9 + "\x00"]
 
@@ -252,7 +255,7 @@ def generation_birth(policy: Policy, name: str) -> int | None:
             birth = None
         if birth is not None and birth > EPOCH_MAX:
             birth = None                  # no epoch that large: not a generation name
-    if len(policy.cache) > 100_000:
+    if len(policy.cache) >= POLICY_CACHE_MAX:
         policy.cache.clear()
     policy.cache[name] = birth
     return birth

@@ -68,6 +68,9 @@ NO_EXTENTS = _NoExtents()
 _MODES: dict[int, int] = {}
 _UG: dict[tuple[int, int], tuple[int, int]] = {}
 _HINTS: dict[tuple, H.Hint] = {}
+#: distinct hints interned before the table starts afresh: each save brings new ones and the
+#: daemon runs for months; the live inodes keep their objects, only sharing restarts
+HINTS_MAX = 4096
 
 
 def intern_hint(h) -> H.Hint | None:
@@ -77,7 +80,7 @@ def intern_hint(h) -> H.Hint | None:
     key = (h.birth, h.reclaim, h.stream, h.source) if isinstance(h, H.Hint) else tuple(h)
     got = _HINTS.get(key)
     if got is None:
-        if len(_HINTS) > 65536:
+        if len(_HINTS) >= HINTS_MAX:
             _HINTS.clear()
         got = _HINTS[key] = h if isinstance(h, H.Hint) else H.Hint(int(key[0]), float(key[1]),
                                                                    int(key[2]), key[3])

@@ -9,6 +9,10 @@ import bisect
 import math
 import os
 
+#: commit latencies kept for ``status``'s p99 (the last 5,000-10,000 commits); the
+#: Prometheus histogram counts them all
+COMMIT_SAMPLES = 10_000
+
 
 class LatencyHistogram:
     """Cumulative commit latencies for the Prometheus histogram (buckets in seconds)."""
@@ -68,8 +72,8 @@ class StoreStats:
     def observe_commit(self, seconds: float) -> None:
         self.commit_ms.append(seconds * 1000.0)
         self.commit_hist.observe(seconds)
-        if len(self.commit_ms) > 100000:
-            del self.commit_ms[:50000]
+        if len(self.commit_ms) > COMMIT_SAMPLES:
+            del self.commit_ms[:COMMIT_SAMPLES // 2]
 
     def statfs(self) -> dict:
         """Free space as a writer can get it: empty zones, the unwritten tails of open ones,

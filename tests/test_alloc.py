@@ -409,6 +409,45 @@ def test_isolate_never_shares():
     assert b.summary(1)["W"] == 200
 
 
+@pytest.mark.parametrize("policy", ["isolate", "retainz"])
+@pytest.mark.parametrize("fullscan", [False, True])
+def test_generation_ids_are_bounded_and_decide_the_same(policy, fullscan):
+    """A daemon saving for months places a new generation with every save: the allocator
+    forgets the ids of generations that own no zone (``max_generations``), and every decision
+    is the one an allocator that keeps them all makes (an id only tells owners apart)."""
+    rng = random.Random(7)
+    kept = Allocator(40, C, 1, policy, max_active=6, gc_reserve=1, fullscan=fullscan)
+    bounded = Allocator(40, C, 1, policy, max_active=6, gc_reserve=1, fullscan=fullscan)
+    bounded.max_generations = 4
+    live = []
+    for g in range(400):
+        stream = g % 2
+        hint = INF if g % 9 == 0 else g + 6
+        for _ in range(rng.choice([1, 2, 3])):     # several files of one save
+            size = rng.choice([100, 300, 1200])
+            try:
+                got = put(kept, size, hint, g, now=g, stream=stream)
+            except NoSpace:
+                with pytest.raises(NoSpace):
+                    put(bounded, size, hint, g, now=g, stream=stream)
+                continue
+            assert put(bounded, size, hint, g, now=g, stream=stream) == got, g
+            live += [(z, nb, hint) for z, nb, _ in got]
+        while len(live) > 24:                       # old saves deleted, emptied zones reset
+            z, nb, h = live.pop(0)
+            for a in (kept, bounded):
+                a.note_dead(z, nb, h)
+                if a.summary(z)["L"] == 0 and a.summary(z)["cond"] == "full":
+                    a.note_reset(z)
+    assert kept.stats()["generations"] == 400
+    # kept at a pass: each zone's owner, the last place()'s and the one placing (39 data
+    # zones); the next pass comes at twice that
+    assert bounded.stats()["generations"] <= 2 * (39 + 2) + 1
+    if fullscan:
+        assert bounded.check_summaries() == []
+    assert [bounded.summary(z) for z in range(1, 40)] == [kept.summary(z) for z in range(1, 40)]
+
+
 # ---------------------------------------------------------------------------- zenfs port
 def test_zenfs_lifetime_classes():
     z = mk("zenfs", zenfs_base=10)
