@@ -196,7 +196,7 @@ class Aftermath(str):
     """A problem of the log's end that an unfinished flush leaves when a crash or power cut
     cuts it (a write pointer past the last frame, a mirror short of the last frames): never
     an acknowledged frame, and the mount repairs it.  A plain string where shown; ``fsck``
-    tells it from damage by its type (``cli.main._fsck_findings``)."""
+    tells it from damage by its type (``fsck.Fsck.findings``)."""
     __slots__ = ()
 
 

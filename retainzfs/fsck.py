@@ -1,12 +1,17 @@
 """Consistency checks of a store (``retainzfs fsck``) and the data scrub (``retainzfs scrub``).
 
 ``check`` compares the in-memory state against itself and the device under ``Store.lock``
-(CPU only); ``scrub`` snapshots the extent list under the lock, then reads and verifies every
-live byte through the data path without holding it.
+(CPU only); ``findings`` adds what the metadata log's end and the zones say, each a problem
+or a repair a mount makes (the lines and exit status of ``fsck``); ``scrub`` snapshots the
+extent list under the lock, then reads and verifies every live byte through the data path
+without holding it.
 """
 from __future__ import annotations
 
+from . import hints as H
+from ._journal import Aftermath
 from .device import ZoneCond
+from .lifecycle import MARKS_FEATURE
 
 
 class Fsck:
@@ -49,6 +54,65 @@ class Fsck:
                                     f"{s.dev.zone(z).wp}")
         return problems
 
+    def findings(self) -> tuple[list[str], list[str]]:
+        """(problems, safe repairs) of a read-only opened store, one line each: what
+        ``retainzfs fsck`` prints and exits by."""
+        s = self.s
+        problems = self.check()
+        st = s.status()
+        # With mount marks (feature "unmount_marks") an acknowledged frame is never the last of
+        # a log: a clean unmount's frame follows it, or a crash cut the log.  So a torn end is a
+        # crash's unfinished flush (the mount drops it), and damage before the unmount's frame
+        # reads as damage.  Frames lost under a write pointer or from one copy are an
+        # unfinished flush unless the log ends in an unmount's frame (a mount makes its own
+        # frame durable before any other, so none was lost after it: damage).  Images made
+        # before the feature cannot tell: exit 1.
+        marks = MARKS_FEATURE in (s.sb.features or ())
+        tail = []
+        for mp in st.get("metadata_problems") or []:
+            if marks and isinstance(mp, Aftermath) and not s.ends_unmounted:
+                tail.append(mp)
+            else:
+                problems.append(f"metadata: {mp}")
+        if st.get("metadata_corrupt"):
+            problems.append(f"metadata: {st['metadata_corrupt']} (not repairable in place: "
+                            f"mount -o ro and copy the files out)")
+        if st["journal_truncated"]:
+            if marks:
+                tail.insert(0, "its last frame is torn")
+            else:
+                problems.append("journal: the last flush is torn (it was never acknowledged)")
+        repairs = []
+        if tail:
+            repairs.append(f"drop the unfinished last flush a crash or power cut left in the log "
+                           f"({'; '.join(tail)})")
+        if ((st.get("metadata_problems") or st["journal_truncated"])
+                and not st.get("metadata_corrupt")):
+            repairs.append("write a fresh metadata snapshot to a free zone pair (two good copies)")
+        # What a crash normally leaves (a mount cleans it up) is a repair, not an inconsistency:
+        # zones holding only dead bytes, files unlinked while open.
+        live = {e.zone for i in s.inodes.values() for e in i.extents}
+        stale = [z for z in range(s.meta_zones, s.dev.nr_zones)
+                 if z not in live and z not in s.bad_zones
+                 and (s.dev.zone(z).wp or s.dev.zone(z).cond != ZoneCond.EMPTY)]
+        if stale:
+            repairs.append(f"reset {len(stale)} zones with no live data ({_ranges(stale)})")
+        orphans = [i.ino for i in s.inodes.values() if i.nlink == 0]
+        if orphans:
+            repairs.append(f"free {len(orphans)} orphaned inodes (unlinked while open)")
+        lost = s.lost_writes
+        if lost:
+            files = lost["files"]
+            repairs.append(f"cut {len(files)} files where a power cut lost {lost['bytes']} bytes "
+                           f"written without an fsync ({', '.join(files[:3])}"
+                           f"{' ...' if len(files) > 3 else ''})")
+        damaged = sorted({f for b in s.bad_zones.values() if b["valid_upto"] is not None
+                          for f in b["files"]})
+        if damaged:
+            repairs.append(f"mark {len(damaged)} files damaged ({H.XATTR_DAMAGED.decode()}): "
+                           f"data past a zone's write pointer")
+        return problems, repairs
+
     def scrub(self, progress=None) -> dict:
         """Verify every live extent against its data checksums (``retainzfs scrub``).
 
@@ -75,3 +139,14 @@ class Fsck:
                     progress(n)
         return {"bytes": done, "extents": len(work), "errors": errors,
                 "files_affected": sorted({e["path"] for e in errors})}
+
+
+def _ranges(zs: list[int]) -> str:
+    out, i = [], 0
+    while i < len(zs):
+        j = i
+        while j + 1 < len(zs) and zs[j + 1] == zs[j] + 1:
+            j += 1
+        out.append(str(zs[i]) if i == j else f"{zs[i]}-{zs[j]}")
+        i = j + 1
+    return ",".join(out)

@@ -1500,11 +1500,10 @@ def test_holes_need_the_feature_and_replay_in_order(tmp_path, monkeypatch):
 def _fsck(path):
     """((problems, repairs) as ``retainzfs fsck`` finds them, ``clean_unmount``), from a
     read-only open."""
-    from retainzfs.cli.main import _fsck_findings
     dev = open_device(path, readonly=True)
     try:
         s = Store(dev, StoreOptions(readonly=True))
-        return _fsck_findings(s), s.clean_unmount
+        return s.fsck.findings(), s.clean_unmount
     finally:
         dev.close()
 

@@ -180,77 +180,6 @@ def cmd_status(args) -> int:
     return 0
 
 
-def _fsck_findings(store) -> tuple[list[str], list[str]]:
-    """(problems, safe repairs) of a read-only opened store: one line each."""
-    from ..device import ZoneCond
-    from .._journal import Aftermath
-    from ..lifecycle import MARKS_FEATURE
-    problems = store.check()
-    st = store.status()
-    # With mount marks (feature "unmount_marks") an acknowledged frame is never the last of a
-    # log: a clean unmount's frame follows it, or a crash cut the log.  So a torn end is a
-    # crash's unfinished flush (the mount drops it), and damage before the unmount's frame
-    # reads as damage.  Frames lost under a write pointer or from one copy are an unfinished
-    # flush unless the log ends in an unmount's frame (a mount makes its own frame durable
-    # before any other, so none was lost after it: damage).  Images made before the feature
-    # cannot tell: exit 1.
-    marks = MARKS_FEATURE in (store.sb.features or ())
-    tail = []
-    for mp in st.get("metadata_problems") or []:
-        if marks and isinstance(mp, Aftermath) and not store.ends_unmounted:
-            tail.append(mp)
-        else:
-            problems.append(f"metadata: {mp}")
-    if st.get("metadata_corrupt"):
-        problems.append(f"metadata: {st['metadata_corrupt']} (not repairable in place: "
-                        f"mount -o ro and copy the files out)")
-    if st["journal_truncated"]:
-        if marks:
-            tail.insert(0, "its last frame is torn")
-        else:
-            problems.append("journal: the last flush is torn (it was never acknowledged)")
-    repairs = []
-    if tail:
-        repairs.append(f"drop the unfinished last flush a crash or power cut left in the log "
-                       f"({'; '.join(tail)})")
-    if (st.get("metadata_problems") or st["journal_truncated"]) and not st.get("metadata_corrupt"):
-        repairs.append("write a fresh metadata snapshot to a free zone pair (two good copies)")
-    # What a crash normally leaves (a mount cleans it up) is a repair, not an inconsistency:
-    # zones holding only dead bytes, files unlinked while open.
-    live = {e.zone for i in store.inodes.values() for e in i.extents}
-    stale = [z for z in range(store.meta_zones, store.dev.nr_zones)
-             if z not in live and z not in store.bad_zones
-             and (store.dev.zone(z).wp or store.dev.zone(z).cond != ZoneCond.EMPTY)]
-    if stale:
-        repairs.append(f"reset {len(stale)} zones with no live data ({_ranges(stale)})")
-    orphans = [i.ino for i in store.inodes.values() if i.nlink == 0]
-    if orphans:
-        repairs.append(f"free {len(orphans)} orphaned inodes (unlinked while open)")
-    lost = store.lost_writes
-    if lost:
-        files = lost["files"]
-        repairs.append(f"cut {len(files)} files where a power cut lost {lost['bytes']} bytes "
-                       f"written without an fsync ({', '.join(files[:3])}"
-                       f"{' ...' if len(files) > 3 else ''})")
-    damaged = sorted({f for b in store.bad_zones.values() if b["valid_upto"] is not None
-                      for f in b["files"]})
-    if damaged:
-        repairs.append(f"mark {len(damaged)} files damaged ({H.XATTR_DAMAGED.decode()}): data past a "
-                       f"zone's write pointer")
-    return problems, repairs
-
-
-def _ranges(zs: list[int]) -> str:
-    out, i = [], 0
-    while i < len(zs):
-        j = i
-        while j + 1 < len(zs) and zs[j + 1] == zs[j] + 1:
-            j += 1
-        out.append(str(zs[i]) if i == j else f"{zs[i]}-{zs[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
 def cmd_fsck(args) -> int:
     """One line per inconsistency; non-zero exit for any.  --repair: print the plan, then do
     the safe repairs through a read-write open (the same recovery a mount runs)."""
@@ -264,7 +193,7 @@ def cmd_fsck(args) -> int:
             f"checks the data of a mounted one")
     dev, store = _open_offline(args.target)
     try:
-        problems, repairs = _fsck_findings(store)
+        problems, repairs = store.fsck.findings()
         st = store.status()
     finally:
         dev.close()
@@ -285,7 +214,7 @@ def cmd_fsck(args) -> int:
         _repair(args.target)
         dev, store = _open_offline(args.target)
         try:
-            problems, _ = _fsck_findings(store)
+            problems, _ = store.fsck.findings()
             st = store.status()
         finally:
             dev.close()
