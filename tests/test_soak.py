@@ -3,8 +3,9 @@
 Users mount once and save, restore and delete checkpoints for weeks.  Each test runs the same
 cycle many times -- a DCP-like save (shards and ``.metadata`` fsynced in a ``.tmp`` directory,
 renamed into place, a JSON state file beside them), an xattr, a restore of one shard, the
-checkpoint three saves back deleted as a ``keep_latest = 3`` policy would -- and requires what
-the daemon holds afterwards to be what it held after the warm-up.
+checkpoint three saves back deleted as a ``keep_latest = 3`` policy would; hints from a
+``.retainz`` or from a runtime's xattrs -- and requires what the daemon holds afterwards to be
+what it held after the warm-up.
 
 * In process (``fs.Operations`` over a ``Store``, as ``_fuse`` calls it, with the kernel's
   FORGETs): Python memory traced by ``tracemalloc``.  The daemon's deliberate memos -- interned
@@ -25,6 +26,8 @@ import os
 import shutil
 import tracemalloc
 
+import pytest
+
 from conftest import run
 from retainzfs import hints as H
 from retainzfs import namespace, stats
@@ -41,11 +44,12 @@ class KernelLike:
     """Drives ``Operations`` as the kernel would for one checkpoint cycle, counting the lookup
     references each reply gives and forgetting them at the end of the cycle."""
 
-    def __init__(self, ops: Operations):
-        self.ops, self.refs = ops, {}
+    def __init__(self, ops: Operations, hints_by: str = "policy"):
+        self.ops, self.refs, self.by_xattrs = ops, {}, hints_by == "xattrs"
         self.blob = os.urandom(256 << 10)
         self.root = self.ref(ops.mkdir(1, b"ckpt", 0o755, CTX)).ino
-        self.write_file(self.root, b".retainz", POLICY)
+        if not self.by_xattrs:
+            self.write_file(self.root, b".retainz", POLICY)
 
     def ref(self, a):
         self.refs[a.ino] = self.refs.get(a.ino, 0) + 1
@@ -64,6 +68,9 @@ class KernelLike:
     def cycle(self, i: int) -> None:
         ops = self.ops
         tmp = self.ref(ops.mkdir(self.root, b"step_%d.tmp" % i, 0o755, CTX)).ino
+        if self.by_xattrs:             # a runtime's tags instead of a policy
+            for name, value in ((b"birth", i), (b"reclaim", i + 3), (b"stream", i % 3)):
+                ops.setxattr(tmp, H.XATTR_PREFIX + name, b"%d" % value, 0)
         for r in range(3):
             ino = self.write_file(tmp, b"__%d_0.distcp" % r, self.blob * (r + 1), fsync=True)
             if r == 0:
@@ -92,7 +99,8 @@ class KernelLike:
         ops.forget(pairs)
 
 
-def test_checkpoint_cycles_hold_no_python_memory(tmp_path, monkeypatch):
+@pytest.mark.parametrize("hints_by", ["policy", "xattrs"])
+def test_checkpoint_cycles_hold_no_python_memory(tmp_path, monkeypatch, hints_by):
     # the deliberate memos, bounded small enough to be full after the warm-up
     monkeypatch.setattr(namespace, "HINTS_MAX", 16)
     monkeypatch.setattr(H, "POLICY_CACHE_MAX", 16)
@@ -108,7 +116,7 @@ def test_checkpoint_cycles_hold_no_python_memory(tmp_path, monkeypatch):
     src, first = inspect.getsourcelines(namespace._Page.__init__)
     pages = range(first, first + len(src))
     try:
-        k = KernelLike(ops)
+        k = KernelLike(ops, hints_by)
         for i in range(100):
             k.cycle(i)
         inodes = len(store.inodes)
