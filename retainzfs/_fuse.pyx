@@ -18,7 +18,8 @@ Protocol choices that match what the file system was verified with on pyfuse3 (p
 READDIRPLUS always (the kernel takes a lookup reference for each entry but ``.`` and ``..``: the
 handler counts it), EXPORT_SUPPORT (``..`` lookups), no writeback cache; POSIX ACLs with
 DONT_MASK when the file system asks (``want_acl``); IOCTL, locks, copy_file_range and lseek
-answer ENOSYS (libfuse's default for a missing handler).  Handlers run holding the GIL and
+answer ENOSYS (libfuse's default for a missing handler); a file opened read-only (not O_TRUNC)
+gets FOPEN_NOFLUSH, so its close sends no FLUSH (``rz_fi_set``).  Handlers run holding the GIL and
 send their reply without it (``_rp_*``).
 """
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
@@ -83,6 +84,10 @@ cdef extern from *:
         fi->fh = fh;
         fi->direct_io = direct_io ? 1 : 0;
         fi->keep_cache = keep_cache ? 1 : 0;
+        /* A descriptor opened only to read (and not to truncate) has nothing for a close to
+         * commit: FOPEN_NOFLUSH spares the FLUSH round trip of its close(2) (the RELEASE
+         * still comes).  A restore opens every file of a checkpoint this way. */
+        fi->noflush = ((fi->flags & O_ACCMODE) == O_RDONLY && !(fi->flags & O_TRUNC)) ? 1 : 0;
     }
     /* libfuse's own messages go to stderr (the daemon's log) with a time and a level, as
      * Python's logging writes its lines, and a message repeated within a minute is counted,

@@ -174,3 +174,35 @@ def test_a_missing_name_then_created_is_found(mounted):
     assert p.read_bytes() == b"now"
     os.mkdir(mounted / "dir")
     assert (mounted / "dir").is_dir()
+
+
+def test_a_read_only_close_does_not_wait_for_the_daemon(mounted):
+    """A file opened only to read gets FOPEN_NOFLUSH: its close(2) sends no FLUSH (a round trip
+    a restore paid for every file of a checkpoint), so it returns even while the daemon is
+    stopped.  A close of a descriptor that wrote still waits: that FLUSH commits the file."""
+    p = mounted / "f"
+    p.write_bytes(b"x" * 10_000)
+    ro = os.open(p, os.O_RDONLY)
+    assert os.read(ro, 10) == b"x" * 10
+    rw = os.open(p, os.O_WRONLY)
+    os.write(rw, b"y")
+    closed = {}
+
+    def close(name, fd):
+        os.close(fd)
+        closed[name] = True
+    os.kill(mounted.pid, signal.SIGSTOP)
+    try:
+        t = threading.Thread(target=close, args=("ro", ro), daemon=True)
+        t.start()
+        t.join(5)
+        assert closed.get("ro"), "the close of a read-only descriptor waited for the daemon"
+        w = threading.Thread(target=close, args=("rw", rw), daemon=True)
+        w.start()
+        w.join(1)
+        assert not closed.get("rw"), "the close of a written descriptor did not reach the daemon"
+    finally:
+        os.kill(mounted.pid, signal.SIGCONT)
+    w.join(30)
+    assert closed.get("rw")
+    assert p.read_bytes() == b"y" + b"x" * 9_999
