@@ -28,7 +28,6 @@ import tracemalloc
 
 import pytest
 
-from conftest import run
 from retainzfs import hints as H
 from retainzfs import namespace, stats
 from retainzfs.device import create_image
@@ -148,9 +147,8 @@ def test_checkpoint_cycles_hold_no_python_memory(tmp_path, monkeypatch, hints_by
         store.close()
 
 
-def _daemon(img) -> tuple[int, int, int]:
-    """(RSS KiB, threads, descriptors) of the daemon serving ``img``."""
-    pid = int(run("pgrep", "-f", f"mount.retainzfs {img}").stdout.split()[0])
+def _daemon(pid: int) -> tuple[int, int, int]:
+    """(RSS KiB, threads, descriptors) of the daemon ``pid`` (``Mount.pid``)."""
     status = dict(ln.split(":", 1) for ln in open(f"/proc/{pid}/status").read().splitlines())
     return (int(status["VmRSS"].split()[0]), int(status["Threads"]),
             len(os.listdir(f"/proc/{pid}/fd")))
@@ -182,10 +180,10 @@ def test_a_mount_runs_checkpoint_cycles_without_growing(image, mount_image, say)
 
     for i in range(150):
         cycle(i)
-    rss0, threads0, fds0 = _daemon(image)
+    rss0, threads0, fds0 = _daemon(m.pid)
     for i in range(150, 750):
         cycle(i)
-    rss1, threads1, fds1 = _daemon(image)
+    rss1, threads1, fds1 = _daemon(m.pid)
     say(f"soak: 600 checkpoint cycles through a mount: daemon RSS {rss0 >> 10} -> "
         f"{rss1 >> 10} MiB, threads {threads0} -> {threads1}, descriptors {fds0} -> {fds1}")
     assert fds1 == fds0, "the daemon holds more descriptors after 600 cycles"
