@@ -222,6 +222,14 @@ def _rt_prop(name: str, default, drop_when_idle: bool = False):
     return property(get, set_)
 
 
+def show_name(name: bytes) -> str:
+    """How a name is spelled in reports, JSON and log lines: UTF-8, each byte that is not
+    UTF-8 as ``\\xNN``.  Two names that differ only in such bytes read differently (the
+    replacement character made them alike), and the text holds no lone surrogate (which the
+    log's strict encoder would refuse).  ``retainzfs hints`` spells the paths it walks so."""
+    return name.decode("utf-8", "backslashreplace")
+
+
 # ------------------------------------------------------------------ the inode table
 # Columns of a row (int64 each).  A row is free while its first column is 0 (every inode has a
 # type); that column holds the mode in its low 32 bits and the owner's uid/gid id above.
@@ -328,11 +336,12 @@ class InodeTable(MutableMapping):
 
     # -- paths (no lock of their own: the caller holds Store.lock or owns the store alone)
     def path_of(self, ino: int) -> str:
-        """The path of an inode from the root, for log lines and reports (its first link)."""
+        """The path of an inode from the root, for log lines and reports (its first link),
+        spelled by ``show_name``."""
         parts = []
         inode = self.get(ino)
         while inode is not None and inode.ino != ROOT_INO:
-            parts.append(inode.name.decode("utf-8", "replace"))
+            parts.append(show_name(inode.name))
             inode = self.get(inode.parent)
         return "/" + "/".join(reversed(parts))
 

@@ -190,3 +190,25 @@ def test_cli_prediction_is_what_the_store_places(mounted, policy, layout):
         assert got == want, (g, got, pred)
     if "stream" not in policy:          # the default stream is the policy directory's inode
         assert got["stream"] == os.stat(job).st_ino
+
+
+def test_names_that_are_not_utf8_read_alike_in_every_report(mounted):
+    """Two generations whose names differ only in bytes that are not UTF-8: `hints --json`'s
+    rows, the daemon's `hint_from` (and so `scrub` and the log, through the same spelling) name
+    each the same way and the two apart, each such byte as \\xNN.  Before, the rows used
+    Python's surrogate escapes and the daemon the replacement character, which made the two
+    names one: ``/job/step-\\ufffd`` for both."""
+    from retainzfs.runtime import tag_generation
+    root = os.fsencode(str(mounted))
+    for i, raw in enumerate([b"step-\xff", b"step-\xfe"]):
+        d = os.fsdecode(root + b"/job/" + raw)
+        tag_generation(d, birth=100 + i, reclaim=300 + i)
+        with open(os.path.join(d, os.fsdecode(b"shard\x80.pt")), "wb") as f:
+            f.write(os.urandom(4096))
+    rep = json.loads(run(RETAINZFS, "hints", "--json", mounted / "job").stdout)
+    rows = {r["path"]: r for r in rep["generations"]}
+    assert set(rows) == {"step-\\xff", "step-\\xfe"}, rows
+    for name, r in rows.items():
+        assert r["hint_from"] == [f"/job/{name}/shard\\x80.pt"], r
+    human = run(RETAINZFS, "hints", mounted / "job").stdout
+    assert "step-\\xff" in human and "step-\\xfe" in human, human

@@ -21,6 +21,7 @@ import xattr
 import stat
 
 from .. import hints as H
+from ..namespace import show_name
 from .common import die, mount_root
 
 X_HINT = H.XATTR_HINT.decode()
@@ -127,6 +128,12 @@ class _PathTree(H.HintResolver):
         return os.stat(d).st_ino          # the store's inode number (the FUSE st_ino)
 
 
+def _show(path: str) -> str:
+    """A path walked here (``os.fsdecode``'s spelling) as the daemon spells the names it
+    reports (``hint_from``, ``scrub``, the log): bytes that are not UTF-8 as ``\\xNN``."""
+    return show_name(os.fsencode(path))
+
+
 def _hint_row(h: H.Hint) -> dict:
     return {"birth": h.birth, "reclaim": "inf" if h.anchor else int(h.reclaim),
             "stream": h.stream, "source": h.source}
@@ -219,7 +226,7 @@ def collect(path: str) -> dict:
 
     def rel(p: str) -> str:
         r = os.path.relpath(p, top)
-        return os.path.basename(top) if r == "." else r
+        return _show(os.path.basename(top) if r == "." else r)
 
     def classify(d: str, name: str):
         p = os.path.join(d, name)
@@ -246,7 +253,7 @@ def collect(path: str) -> dict:
             if kind:
                 rows.append(_row(p, rel(p), kind, pred))
             elif stat.S_ISLNK(st.st_mode):
-                rows.append({"path": rel(p), "kind": "link", "target": os.readlink(p),
+                rows.append({"path": rel(p), "kind": "link", "target": _show(os.readlink(p)),
                              "files": 0, "bytes": 0, "zones": [], "birth": None,
                              "reclaim": None, "stream": None, "source": "symlink"})
             elif stat.S_ISDIR(st.st_mode):
@@ -270,8 +277,9 @@ def collect(path: str) -> dict:
     else:
         rows.append(_row(top, rel(top), "file", None))
     pols.of(top if stat.S_ISDIR(st.st_mode) else os.path.dirname(top))
-    policies = {os.path.relpath(k, root) if k != root else ".": v for k, v in pols.found.items()}
-    return {"path": top, "mount": root, "policies": policies, "generations": rows}
+    policies = {_show(os.path.relpath(k, root)) if k != root else ".": v
+                for k, v in pols.found.items()}
+    return {"path": _show(top), "mount": _show(root), "policies": policies, "generations": rows}
 
 
 def _zones_text(zones: list[int]) -> str:

@@ -194,11 +194,11 @@ def cmd_fsck(args) -> int:
     dev, store = _open_offline(args.target)
     try:
         problems, repairs = store.fsck.findings()
-        st = store.status()
+        files, clean = store.inodes.nreg, store.clean_unmount   # (as `status` counts them)
     finally:
         dev.close()
-    result = {"target": args.target, "files": st["files"], "problems": problems,
-              "clean_unmount": st["clean_unmount"],
+    result = {"target": args.target, "files": files, "problems": problems,
+              "clean_unmount": clean,
               "repairs_planned": repairs if args.repair else [], "repaired": False}
     if not args.json:
         for p in problems:
@@ -215,7 +215,7 @@ def cmd_fsck(args) -> int:
         dev, store = _open_offline(args.target)
         try:
             problems, _ = store.fsck.findings()
-            st = store.status()
+            files = store.inodes.nreg
         finally:
             dev.close()
         result.update(problems_after=problems, repaired=True)
@@ -225,10 +225,10 @@ def cmd_fsck(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"{args.target}: {st['files']} files, {len(problems)} problems"
+        print(f"{args.target}: {files} files, {len(problems)} problems"
               + (" after repair" if result["repaired"] else "")
               + ("; not cleanly unmounted (a mount replays the journal)"
-                 if st["clean_unmount"] is False and not result["repaired"] else ""))
+                 if clean is False and not result["repaired"] else ""))
     return 1 if problems else 0
 
 
