@@ -345,16 +345,6 @@ class InodeTable(MutableMapping):
             inode = self.get(inode.parent)
         return "/" + "/".join(reversed(parts))
 
-    def resolve(self, path: str) -> int | None:
-        """Inode number of an absolute path inside the filesystem, or None."""
-        cur = self.get(ROOT_INO)
-        for part in filter(None, path.split("/")):
-            if cur is None or not cur.is_dir:
-                return None
-            nxt = cur.entries.get(part.encode("utf-8", "surrogateescape"))
-            cur = self.get(nxt) if nxt is not None else None
-        return cur.ino if cur is not None else None
-
     # -- rows
     def _row(self, ino: int):
         """(page, row) of a live inode, or (None, 0)."""

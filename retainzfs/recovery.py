@@ -422,9 +422,11 @@ class MountRecovery:
         if s.cap > lsum:
             s.alloc.note_write(z, s.cap - lsum, INF, False)
         s.alloc.note_finish(z)
-        files = sorted({s.path_of(ino.ino) for ino in s.inodes.values()
-                        for e in ino.extents.in_zone(z)}) if exts else []
-        s.bad_zones[z] = {"reason": why, "valid_upto": valid_upto, "files": files}
+        inos = sorted({ino.ino for ino in s.inodes.values()
+                       for e in ino.extents.in_zone(z)}) if exts else []
+        files = sorted(s.path_of(i) for i in inos)
+        # "inos" for ``fsck --repair``'s marks: a reported path need not resolve back
+        s.bad_zones[z] = {"reason": why, "valid_upto": valid_upto, "files": files, "inos": inos}
         log.error("zone %d out of service (%s); %d files have data there%s", z, why, len(files),
                   (": " + ", ".join(files[:5]) + (" ..." if len(files) > 5 else "")) if files else "")
 

@@ -195,7 +195,7 @@ class Store:
         self.meta_corrupt = info.corrupt
         self.recovered_partial: dict | None = None   # read-only recovery of a damaged snapshot
         self.tuning: dict = {}                  # kernel-side settings the mount made (status)
-        # zone -> {"reason", "valid_upto", "files"}: zones a failure took out of service
+        # zone -> {"reason", "valid_upto", "files", "inos"}: zones a failure took out of service
         self.bad_zones: dict[int, dict] = {}
         #: data writes a power cut lost that nothing proved durable, dropped at mount
         #: (``MountRecovery.drop_lost_writes``): {"zones", "files", "bytes"}, else None
@@ -309,11 +309,6 @@ class Store:
 
     def root(self) -> Inode:
         return self.inodes[ROOT_INO]
-
-    def resolve_path(self, path: str) -> int | None:
-        """Inode number of an absolute path inside the filesystem, or None."""
-        with self.lock:
-            return self.inodes.resolve(path)
 
     @property
     def reset_pending(self) -> bool:

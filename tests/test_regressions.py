@@ -291,6 +291,31 @@ def test_write_pointer_behind_live_data(mounted):
     assert str(za[0]) not in mounted.status()["bad_zones"]
 
 
+def test_fsck_repair_marks_each_file_with_data_past_a_moved_back_write_pointer(mounted):
+    """`fsck --repair` marks every file with data past a zone's write pointer as damaged
+    (xattr user.retainz.damaged), whatever its name.  It looked the files up by the paths it
+    reports, which spell a name that is not UTF-8 differently from the name itself, so such a
+    file was never marked (nothing tested the mark before stop 43); it now goes by inode."""
+    root = os.fsencode(str(mounted))
+    names = [b"plain.pt", b"bad\xff.pt", b"bad\xfe.pt"]
+    for n in names:                             # 1.5 MiB together: one zone holds them
+        with open(root + b"/" + n, "wb") as f:
+            f.write(os.urandom(512 << 10))
+            f.flush()
+            os.fsync(f.fileno())
+    paths = [os.fsdecode(root + b"/" + n) for n in names]
+    zone = _zones_of(paths[0])[0]
+    assert all(zone in _zones_of(p) for p in paths), [_zones_of(p) for p in paths]
+    mounted.umount()
+    _set_zone(mounted.img, zone, wp=4096, cond=0x4)      # CLOSED, wp moved back under data
+    out = run(RETAINZFS, "fsck", "--repair", mounted.img, check=False).stdout
+    assert "mark 3 files damaged" in out, out
+    mounted.mount()
+    assert str(zone) in mounted.status()["bad_zones"]
+    for p in paths:
+        assert xattr.getxattr(p, H.XATTR_DAMAGED).startswith(b"data past the write pointer"), p
+
+
 def test_a_metadata_write_pointer_moved_past_its_frames_is_reported_and_repaired(mounted):
     """A flipped bit that moves one metadata copy's write pointer forward over bytes never
     written passed for a clean image (fsck exit 0; found by the metadata damage campaign

@@ -239,9 +239,8 @@ def _repair(target: str) -> None:
         for b in store.bad_zones.values():
             if b["valid_upto"] is None:
                 continue
-            for path in b["files"]:
-                ino = store.resolve_path(path)
-                if ino is not None:
+            for ino in b["inos"]:       # (by inode: a reported path need not resolve back)
+                if ino in store.inodes:     # (not an orphan the recovery freed)
                     store.setxattr(ino, H.XATTR_DAMAGED,
                                    f"data past the write pointer of a zone ({b['reason']})".encode())
         store.close()
