@@ -180,6 +180,9 @@ class Store:
         self.failure = Failure(self)      # one-way: a failed flush or metadata write
         self._wgen = 0                    # device writes so far ...
         self._sgen = 0                    # ... of which a device flush covers this many
+        #: journal frames detached from the queue (``prepare``) and not yet counted in
+        #: ``_wgen`` (Store.lock): ``sync`` must wait for them, not pass for done
+        self._frames_in_flight = 0
         #: inode -> ``_wgen`` after its latest data write (Store.lock); entries a device flush
         #: covered are dropped by it.  Tells whether a file's data are durable yet
         #: (``data_durable_locked``: a rename over another file waits for that).
@@ -336,7 +339,13 @@ class Store:
             if plan is None and not sync:
                 return
             g = self._wgen       # data writes completed before the frame (and its flush)
-        self.failure.commit_journal(plan, sync)
+            self._frames_in_flight += plan is not None
+        try:
+            self.failure.commit_journal(plan, sync)
+        except BaseException:
+            with self.lock:
+                self._frames_in_flight -= plan is not None
+            raise
         # Counted only once written: a device flush on another thread (an fsync of another
         # file, a reset, the periodic sync: none holds io_lock) that read the count before
         # the frame was written must not pass for a flush of it.  Counting it first let an
@@ -347,6 +356,7 @@ class Store:
         # Both counts move under Store.lock (a lost increment would pass for a flush).
         with self.lock:
             self._wgen += plan is not None
+            self._frames_in_flight -= plan is not None    # (with the count: no gap between)
             if sync:
                 self._sgen = max(self._sgen, g + (plan is not None))
 
@@ -442,7 +452,13 @@ class Store:
         next flush: the next tick, or unmount's): without it a quiet log's last data writes
         stay unproven, and a damaged zone table under them would pass for a lost cache at
         the next mount (``MountRecovery.drop_lost_writes``)."""
-        if self.journal.has_pending() or self._wgen != self._sgen:
+        # A frame another thread detached and is writing is neither pending nor counted in
+        # ``_wgen`` yet: without the third test an fsync of a directory (FSYNCDIR) passed
+        # while the frame holding its unlink was in flight (a power cut then lost an
+        # acknowledged SQLite commit: its journal came back hot).  ``_flush_durably`` takes
+        # io_lock, so it waits for that frame and then flushes it.
+        if (self.journal.has_pending() or self._wgen != self._sgen
+                or self._frames_in_flight):
             self._flush_durably()
         if self.journal.needs_mark():
             with self.io_lock:

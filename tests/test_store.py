@@ -783,6 +783,60 @@ def test_an_fsync_is_not_satisfied_by_a_flush_that_began_before_its_journal_fram
     dev.close()
 
 
+def test_a_directory_fsync_waits_for_a_frame_another_thread_is_writing(tmp_path):
+    """Regression (stop 48's fresh-clone run: SQLite, rollback journal, synchronous=EXTRA,
+    lost an acknowledged commit to a LazyFS power cut; its journal came back hot).  A frame
+    another thread had detached from the queue and was still writing was neither pending nor
+    counted, so ``Store.sync`` -- an fsync of a directory -- returned at once, before the
+    frame holding the journal's unlink was written or flushed.  Here the periodic flush is
+    held inside its frame write while the directory is fsynced: the fsync must not return
+    until that frame is written and a device flush covers it."""
+    import threading
+    path, dev, s = fresh(tmp_path)
+    events = []
+    real_flush, real_commit = dev.flush, s.journal.commit
+    dev.flush = lambda: (events.append("flush"), real_flush())[1]
+    entered, go = threading.Event(), threading.Event()
+
+    def commit(plan, sync):
+        if (plan is not None and threading.current_thread().name == "tick"
+                and not entered.is_set()):
+            entered.set()
+            assert go.wait(10)            # the directory's fsync comes now
+        real_commit(plan, sync=sync)
+        if plan is not None:
+            events.append("frame:" + threading.current_thread().name)
+    s.journal.commit = commit
+    ino = s.create(1, b"runs.db-journal", 0o644).ino
+    db = s.create(1, b"runs.db", 0o644).ino
+    s.open(db)
+    s.write(db, 0, os.urandom(8192))
+    s.commit(db, True)                    # SQLite's fsync of the database: all durable
+    assert s._wgen == s._sgen and not s.journal.has_pending()
+    s.unlink(1, b"runs.db-journal")       # the record the fsync must make durable
+
+    def tick():
+        with s.io_lock:
+            s.journal_flush_iolocked(sync=False)
+    t = threading.Thread(target=tick, name="tick")
+    t.start()
+    assert entered.wait(10)
+    f = threading.Thread(target=s.sync, name="fsyncdir")
+    f.start()
+    f.join(0.5)
+    assert f.is_alive(), "the directory's fsync returned while the frame was being written"
+    go.set()
+    t.join(10)
+    f.join(10)
+    assert not t.is_alive() and not f.is_alive()
+    held = events.index("frame:tick")     # the frame with the unlink; a flush after it
+    assert "flush" in events[held + 1:], events
+    assert ino not in s.inodes
+    s.release(db)
+    s.close()
+    dev.close()
+
+
 def test_a_zone_with_a_write_reserved_is_not_reset_before_it_commits(tmp_path):
     """File data are written outside io_lock (``DataPath.write``): a zone whose data all
     died while a write reserved in it is still in flight must not be reset under it (the
