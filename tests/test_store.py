@@ -743,6 +743,27 @@ def test_status_says_where_io_lock_goes(tmp_path):
     dev.close()
 
 
+def _hold_first_frame_of(s, dev, thread: str):
+    """Record device flushes and journal frames (``"frame:<thread>"``) in order, and hold the
+    first frame ``thread`` writes until ``go`` is set (``entered`` says it is held)."""
+    import threading
+    events: list[str] = []
+    real_flush, real_commit = dev.flush, s.journal.commit
+    dev.flush = lambda: (events.append("flush"), real_flush())[1]
+    entered, go = threading.Event(), threading.Event()
+
+    def commit(plan, sync):
+        if (plan is not None and threading.current_thread().name == thread
+                and not entered.is_set()):
+            entered.set()
+            assert go.wait(10)            # the other thread acts now
+        real_commit(plan, sync=sync)
+        if plan is not None:
+            events.append("frame:" + threading.current_thread().name)
+    s.journal.commit = commit
+    return events, entered, go
+
+
 def test_an_fsync_is_not_satisfied_by_a_flush_that_began_before_its_journal_frame(tmp_path):
     """Regression (power-cut campaign, stop 12: an fsynced 1.7 MB shard came back 0 bytes).
     The count of device writes was bumped *before* a journal frame was written, so a device
@@ -752,20 +773,7 @@ def test_an_fsync_is_not_satisfied_by_a_flush_that_began_before_its_journal_fram
     must still flush the device after its frame is written."""
     import threading
     path, dev, s = fresh(tmp_path)
-    events = []
-    real_flush, real_commit = dev.flush, s.journal.commit
-    dev.flush = lambda: (events.append("flush"), real_flush())[1]
-    entered, go = threading.Event(), threading.Event()
-
-    def commit(plan, sync):
-        if (plan is not None and threading.current_thread().name == "fsyncer"
-                and not entered.is_set()):
-            entered.set()
-            assert go.wait(10)            # the other thread's flush runs now
-        real_commit(plan, sync=sync)
-        if plan is not None:
-            events.append("frame")
-    s.journal.commit = commit
+    events, entered, go = _hold_first_frame_of(s, dev, "fsyncer")
     ino = s.create(1, b"shard", 0o644).ino
     s.open(ino)
     s.write(ino, 0, os.urandom(1_754_842))
@@ -776,7 +784,7 @@ def test_an_fsync_is_not_satisfied_by_a_flush_that_began_before_its_journal_fram
     go.set()
     t.join(10)
     assert not t.is_alive()
-    last_frame = max(i for i, e in enumerate(events) if e == "frame")
+    last_frame = max(i for i, e in enumerate(events) if e.startswith("frame"))
     assert "flush" in events[last_frame + 1:], events
     s.release(ino)
     s.close()
@@ -793,20 +801,7 @@ def test_a_directory_fsync_waits_for_a_frame_another_thread_is_writing(tmp_path)
     until that frame is written and a device flush covers it."""
     import threading
     path, dev, s = fresh(tmp_path)
-    events = []
-    real_flush, real_commit = dev.flush, s.journal.commit
-    dev.flush = lambda: (events.append("flush"), real_flush())[1]
-    entered, go = threading.Event(), threading.Event()
-
-    def commit(plan, sync):
-        if (plan is not None and threading.current_thread().name == "tick"
-                and not entered.is_set()):
-            entered.set()
-            assert go.wait(10)            # the directory's fsync comes now
-        real_commit(plan, sync=sync)
-        if plan is not None:
-            events.append("frame:" + threading.current_thread().name)
-    s.journal.commit = commit
+    events, entered, go = _hold_first_frame_of(s, dev, "tick")
     ino = s.create(1, b"runs.db-journal", 0o644).ino
     db = s.create(1, b"runs.db", 0o644).ino
     s.open(db)
