@@ -456,9 +456,13 @@ class Store:
         # ``_wgen`` yet: without the third test an fsync of a directory (FSYNCDIR) passed
         # while the frame holding its unlink was in flight (a power cut then lost an
         # acknowledged SQLite commit: its journal came back hot).  ``_flush_durably`` takes
-        # io_lock, so it waits for that frame and then flushes it.
-        if (self.journal.has_pending() or self._wgen != self._sgen
-                or self._frames_in_flight):
+        # io_lock, so it waits for that frame and then flushes it.  The three are read under
+        # Store.lock, at one instant: a frame that ended between two unlocked reads was in
+        # neither (``journal_flush_iolocked`` moves its counts under the lock).
+        with self.lock:
+            behind = (self.journal.has_pending() or self._wgen != self._sgen
+                      or self._frames_in_flight)
+        if behind:
             self._flush_durably()
         if self.journal.needs_mark():
             with self.io_lock:

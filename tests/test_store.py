@@ -832,6 +832,54 @@ def test_a_directory_fsync_waits_for_a_frame_another_thread_is_writing(tmp_path)
     dev.close()
 
 
+def test_a_directory_fsync_reads_its_counts_at_one_instant(tmp_path):
+    """Regression (stop 49, found reading the fix above).  ``Store.sync`` read "records
+    pending", "writes not yet flushed" and "frames in flight" one after another with no lock:
+    a frame that finished between the second read and the third was counted in neither, and
+    the fsync of the directory returned with the unlink it held never flushed.  Here the
+    frame finishes exactly there; the fsync must still end with a device flush after it."""
+    import threading
+    path, dev, s = fresh(tmp_path)
+    events, entered, go = _hold_first_frame_of(s, dev, "tick")
+    ino = s.create(1, b"runs.db-journal", 0o644).ino
+    s.commit(ino, True)
+    s.unlink(1, b"runs.db-journal")
+    def tick():
+        with s.io_lock:
+            s.journal_flush_iolocked(sync=False)
+    t = threading.Thread(target=tick, name="tick")
+    store_cls = type(s)
+
+    class FrameEndsWhenRead(store_cls):
+        """``_frames_in_flight`` whose unlocked read by the fsync lets the held frame end."""
+        @property
+        def _frames_in_flight(self):
+            if (threading.current_thread().name == "fsyncdir"
+                    and not self.lock._is_owned() and not go.is_set()):
+                go.set()
+                t.join(10)                # written, counted, and no longer in flight
+            return self.__dict__["_frames_in_flight"]
+
+        @_frames_in_flight.setter
+        def _frames_in_flight(self, v):
+            self.__dict__["_frames_in_flight"] = v
+    s.__class__ = FrameEndsWhenRead
+    t.start()
+    assert entered.wait(10)
+    f = threading.Thread(target=s.sync, name="fsyncdir")
+    f.start()
+    f.join(0.5)
+    go.set()
+    t.join(10)
+    f.join(10)
+    assert not t.is_alive() and not f.is_alive()
+    s.__class__ = store_cls
+    held = events.index("frame:tick")     # the frame with the unlink; a flush after it
+    assert "flush" in events[held + 1:], events
+    s.close()
+    dev.close()
+
+
 def test_a_zone_with_a_write_reserved_is_not_reset_before_it_commits(tmp_path):
     """File data are written outside io_lock (``DataPath.write``): a zone whose data all
     died while a write reserved in it is still in flight must not be reset under it (the
