@@ -36,6 +36,9 @@ VIRTUAL_XATTRS = (XATTR_ZONES, XATTR_HINT, XATTR_STATUS)
 XATTR_DAMAGED = b"user.retainz.damaged"
 #: the prefix of every retainzfs xattr
 XATTR_PREFIX = b"user.retainz."
+#: the names under it a user may set (and ``cp -a`` copy); any other is refused, so a
+#: misspelt hint (``user.retainz.reclaims``) is an error, not a name stored and never read
+SETTABLE_XATTRS = HINT_XATTRS + (XATTR_DAMAGED,)
 
 #: births and streams are journaled as signed 64-bit integers (records.pack_inode)
 EPOCH_MAX = (1 << 63) - 1

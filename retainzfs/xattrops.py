@@ -1,7 +1,7 @@
 """Extended attributes: the user's own (``user.*``, kept in the inode and journalled with it),
-the reclaim-hint xattrs (validated here: a bad value is EINVAL with the reason logged), and the
-virtual ones computed on read (``user.retainz.zones``, ``.hint``, the root's ``.status`` and
-zone map; they cannot be set).  Every method takes ``Store.lock`` itself; ``setxattr`` first
+the reclaim-hint xattrs (validated here: a bad value is EINVAL with the reason logged; so is any
+other ``user.retainz.`` name but fsck's ``.damaged`` mark), and the virtual ones computed on
+read (``user.retainz.zones``, ``.hint``, the root's ``.status`` and zone map; EPERM to set).  Every method takes ``Store.lock`` itself; ``setxattr`` first
 makes room in the metadata log (``room.MetaRoom.check``, no lock held).
 """
 from __future__ import annotations
@@ -59,8 +59,13 @@ class XattrOps:
         self.s.meta_room.check()
         with self.s.lock:
             inode = self.s.ns.get_locked(ino)
-            if name in H.VIRTUAL_XATTRS:
+            if name in H.VIRTUAL_XATTRS or name.startswith(H.XATTR_ZONEMAP):
                 raise FsError(errno.EPERM)
+            if name.startswith(H.XATTR_PREFIX) and name not in H.SETTABLE_XATTRS:
+                known = ", ".join(n.decode() for n in H.SETTABLE_XATTRS)
+                log.warning("setxattr %s on inode %d refused: not a retainzfs xattr (%s)",
+                            name.decode(errors="backslashreplace"), ino, known)
+                raise FsError(errno.EINVAL, f"not a retainzfs xattr (one of {known})")
             if create and name in inode.xattrs:
                 raise FsError(errno.EEXIST)
             if replace and name not in inode.xattrs:

@@ -1168,9 +1168,24 @@ def test_bad_xattr_value(mounted):
         xattr.setxattr(mounted / "d", H.XATTR_RECLAIM, b"abc")
     assert ei.value.errno == errno.EINVAL
     assert H.XATTR_RECLAIM.decode() not in xattr.listxattr(mounted / "d")
-    # virtual xattrs are read-only
-    with pytest.raises(OSError):
-        xattr.setxattr(p, H.XATTR_ZONES, b"1")
+    # virtual xattrs are read-only, the zone map's pages included (on any file)
+    for name in (H.XATTR_ZONES, H.XATTR_STATUS, H.XATTR_ZONEMAP + b"0"):
+        with pytest.raises(OSError) as ei:
+            xattr.setxattr(p, name, b"1")
+        assert ei.value.errno == errno.EPERM, name
+    # a misspelt hint is refused, not stored and never read (stop 49: it was stored)
+    for typo in (b"user.retainz.reclaims", b"user.retainz.Reclaim", b"user.retainz.birth ",
+                 b"user.retainz.x", b"user.retainz.zonemap"):
+        with pytest.raises(OSError) as ei:
+            xattr.setxattr(p, typo, b"300")
+        assert ei.value.errno == errno.EINVAL, typo
+    r = run("setfattr", "-n", "user.retainz.reclaim_epoch", "-v", "3", p, check=False)
+    assert r.returncode != 0 and "Invalid argument" in r.stderr
+    assert [n for n in xattr.listxattr(p) if n.startswith("user.retainz.")] == [
+        H.XATTR_RECLAIM.decode()]
+    xattr.setxattr(p, H.XATTR_DAMAGED, b"1")         # fsck's mark: a user may clear or copy it
+    xattr.removexattr(p, H.XATTR_DAMAGED)
+    xattr.setxattr(p, b"user.retainz_notes", b"ok")  # outside the prefix: the user's own
     xattr.setxattr(p, H.XATTR_RECLAIM, b"inf")
     assert xattr.getxattr(p, H.XATTR_RECLAIM) == b"inf"
     mounted.remount()
