@@ -1,8 +1,9 @@
 """Extended attributes: the user's own (``user.*``, kept in the inode and journalled with it),
-the reclaim-hint xattrs (validated here: a bad value is EINVAL with the reason logged; so is any
-other ``user.retainz.`` name but fsck's ``.damaged`` mark), and the virtual ones computed on
-read (``user.retainz.zones``, ``.hint``, the root's ``.status`` and zone map; EPERM to set).  Every method takes ``Store.lock`` itself; ``setxattr`` first
-makes room in the metadata log (``room.MetaRoom.check``, no lock held).
+the reclaim-hint xattrs (validated here: a bad value is EINVAL with the reason logged; so is
+any other ``user.retainz.`` name but fsck's ``.damaged`` mark), and the virtual ones computed
+on read (``user.retainz.zones``, ``.hint``, the root's ``.status`` and zone map; EPERM to
+set).  Every method takes ``Store.lock`` itself; ``setxattr`` first makes room in the
+metadata log (``room.MetaRoom.check``, no lock held).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from . import acl
 from . import hints as H
 from . import records as R
 from .errors import FsError
-from .namespace import ROOT_INO
+from .namespace import ROOT_INO, show_name
 
 log = logging.getLogger("retainzfs")
 
@@ -56,16 +57,17 @@ class XattrOps:
             raise FsError(errno.EOPNOTSUPP, "xattrs are user., trusted. or security. names")
         if not rest:
             raise FsError(errno.EINVAL)
+        # the name alone decides these: before making room in the log or taking the lock
+        if name in H.VIRTUAL_XATTRS or name.startswith(H.XATTR_ZONEMAP):
+            raise FsError(errno.EPERM)
+        if name.startswith(H.XATTR_PREFIX) and name not in H.SETTABLE_XATTRS:
+            known = ", ".join(n.decode() for n in H.SETTABLE_XATTRS)
+            log.warning("setxattr %s on inode %d refused: not a retainzfs xattr (%s)",
+                        show_name(name), ino, known)
+            raise FsError(errno.EINVAL, f"not a retainzfs xattr (one of {known})")
         self.s.meta_room.check()
         with self.s.lock:
             inode = self.s.ns.get_locked(ino)
-            if name in H.VIRTUAL_XATTRS or name.startswith(H.XATTR_ZONEMAP):
-                raise FsError(errno.EPERM)
-            if name.startswith(H.XATTR_PREFIX) and name not in H.SETTABLE_XATTRS:
-                known = ", ".join(n.decode() for n in H.SETTABLE_XATTRS)
-                log.warning("setxattr %s on inode %d refused: not a retainzfs xattr (%s)",
-                            name.decode(errors="backslashreplace"), ino, known)
-                raise FsError(errno.EINVAL, f"not a retainzfs xattr (one of {known})")
             if create and name in inode.xattrs:
                 raise FsError(errno.EEXIST)
             if replace and name not in inode.xattrs:

@@ -710,16 +710,8 @@ def test_a_second_flush_of_a_file_never_takes_the_prefix_being_staged(tmp_path):
 
     s.data.stage = slow_stage
     a = threading.Thread(target=s.flushes.flush_data, args=(ino, False))
-    a.start()
-    assert entered.wait(10)
     b = threading.Thread(target=s.commit, args=(ino, True))
-    b.start()
-    b.join(0.3)
-    assert b.is_alive(), "the commit's flush did not wait for the one staging"
-    go.set()
-    a.join(10)
-    b.join(10)
-    assert not a.is_alive() and not b.is_alive()
+    _hold_then_race(entered, go, a, b, 0.3, "the commit's flush did not wait for the one staging")
     assert s.stats["payload_bytes"] == len(data)          # written once
     s.release(ino)
     dev, s = reopen(path, dev, s)
@@ -741,6 +733,22 @@ def test_status_says_where_io_lock_goes(tmp_path):
     assert st["device_write_seconds"] > st0["device_write_seconds"]
     s.close()
     dev.close()
+
+
+def _hold_then_race(entered, go, held, other, wait: float, waits: str | None = None) -> None:
+    """Start ``held`` (it stops inside ``_hold_first_frame_of``'s or another hook until ``go``),
+    then ``other``; give ``other`` ``wait`` s (``waits``: it must still be waiting then, the
+    message if not), release ``held`` and see both end."""
+    held.start()
+    assert entered.wait(10)
+    other.start()
+    other.join(wait)
+    if waits:
+        assert other.is_alive(), waits
+    go.set()
+    held.join(10)
+    other.join(10)
+    assert not held.is_alive() and not other.is_alive()
 
 
 def _hold_first_frame_of(s, dev, thread: str):
@@ -814,16 +822,9 @@ def test_a_directory_fsync_waits_for_a_frame_another_thread_is_writing(tmp_path)
         with s.io_lock:
             s.journal_flush_iolocked(sync=False)
     t = threading.Thread(target=tick, name="tick")
-    t.start()
-    assert entered.wait(10)
     f = threading.Thread(target=s.sync, name="fsyncdir")
-    f.start()
-    f.join(0.5)
-    assert f.is_alive(), "the directory's fsync returned while the frame was being written"
-    go.set()
-    t.join(10)
-    f.join(10)
-    assert not t.is_alive() and not f.is_alive()
+    _hold_then_race(entered, go, t, f, 0.5,
+                    "the directory's fsync returned while the frame was being written")
     held = events.index("frame:tick")     # the frame with the unlink; a flush after it
     assert "flush" in events[held + 1:], events
     assert ino not in s.inodes
@@ -864,15 +865,7 @@ def test_a_directory_fsync_reads_its_counts_at_one_instant(tmp_path):
         def _frames_in_flight(self, v):
             self.__dict__["_frames_in_flight"] = v
     s.__class__ = FrameEndsWhenRead
-    t.start()
-    assert entered.wait(10)
-    f = threading.Thread(target=s.sync, name="fsyncdir")
-    f.start()
-    f.join(0.5)
-    go.set()
-    t.join(10)
-    f.join(10)
-    assert not t.is_alive() and not f.is_alive()
+    _hold_then_race(entered, go, t, threading.Thread(target=s.sync, name="fsyncdir"), 0.5)
     s.__class__ = store_cls
     held = events.index("frame:tick")     # the frame with the unlink; a flush after it
     assert "flush" in events[held + 1:], events

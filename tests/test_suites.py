@@ -131,7 +131,8 @@ def test_pjdfstest(suites, make_image, mount_image, tmp_path, say):
     for p, out in zip(procs, outs):
         assert p.returncode in (0, 1), f"run_pjdfstest.sh rc={p.returncode}\n{tail(out)}"
         n_ok, n_bad, rest, bad = parse_pjdfstest(out)
-        assert p.returncode == (1 if n_bad else 0), f"rc={p.returncode}, {n_bad} failed\n{tail(out)}"
+        assert p.returncode == (1 if n_bad else 0), (
+            f"rc={p.returncode}, {n_bad} failed\n{tail(out)}")
         passed, failed = passed + n_ok, failed + n_bad
         rests.append(rest.strip("()"))
         failing.update(bad)
