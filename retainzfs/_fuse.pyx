@@ -1027,6 +1027,13 @@ cdef void ll_access(fuse_req_t req, fuse_ino_t ino, int mask) noexcept nogil:
 
 # ---------------------------------------------------------------------------- the session
 
+_OPS_NEEDED = ("access", "blksize", "counted", "create", "fallocate", "flush", "forget", "fsync",
+               "fsyncdir", "getattr", "getxattr", "init", "link", "listxattr", "lookup", "mkdir",
+               "mknod", "negative_timeout", "open", "opendir", "read", "readdir", "readlink",
+               "release", "releasedir", "removexattr", "rename", "rmdir", "setattr", "setxattr",
+               "statfs", "symlink", "timeout", "unlink", "want_acl", "write", "write_synced")
+
+
 def mount(ops, str mountpoint, options) -> None:
     """Create the session and mount it (``options``: strings given to libfuse as ``-o``).
     ``ops`` must have the handlers of ``fs.Operations`` and ``blksize``, ``timeout`` and
@@ -1034,6 +1041,11 @@ def mount(ops, str mountpoint, options) -> None:
     global _ops, _se
     if _se != NULL:
         raise RuntimeError("a FUSE session is already mounted in this process")
+    # a handler looked up when its request comes would fail outside the handler's try, and
+    # that request would never be answered: refuse an incomplete ``ops`` here instead
+    lacking = [n for n in _OPS_NEEDED if not hasattr(ops, n)]
+    if lacking:
+        raise TypeError(f"FUSE ops {type(ops).__name__} lacks {', '.join(lacking)}")
     rz_log_install()
     memset(&_llops, 0, sizeof(_llops))
     _llops.init = ll_init

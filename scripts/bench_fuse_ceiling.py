@@ -229,6 +229,7 @@ def serve_binding(mnt: str) -> int:
     import threading
 
     from retainzfs import _fuse
+    from retainzfs.errors import FsError      # an answer; any other OSError is logged
     from retainzfs.fs import BLKSIZE, ENTRY_TIMEOUT, _direct_write, fuse_options
     from retainzfs.namespace import Attrs
 
@@ -254,7 +255,7 @@ def serve_binding(mnt: str) -> int:
             try:
                 return self.nodes[ino]
             except KeyError:
-                raise OSError(errno.ENOENT, "") from None
+                raise FsError(errno.ENOENT, "") from None
 
         def lookup(self, parent, name):
             ino = self._node(parent).children.get(name)
@@ -275,7 +276,7 @@ def serve_binding(mnt: str) -> int:
             with self.lock:
                 p = self._node(parent)
                 if name in p.children:
-                    raise OSError(errno.EEXIST, "")
+                    raise FsError(errno.EEXIST, "")
                 n = Node(self.next, mode)
                 self.next += 1
                 self.nodes[n.ino] = n
@@ -322,7 +323,7 @@ def serve_binding(mnt: str) -> int:
             with self.lock:
                 ino = self._node(parent).children.pop(name, None)
                 if ino is None:
-                    raise OSError(errno.ENOENT, "")
+                    raise FsError(errno.ENOENT, "")
                 self.nodes.pop(ino, None)
 
         def unlink(self, parent, name):
@@ -330,11 +331,14 @@ def serve_binding(mnt: str) -> int:
 
         def rmdir(self, parent, name):
             if self.nodes[self._node(parent).children.get(name, 0)].children:
-                raise OSError(errno.ENOTEMPTY, "")
+                raise FsError(errno.ENOTEMPTY, "")
             self._remove(parent, name)
 
         def opendir(self, ino):
             return ino
+
+        def releasedir(self, fh):
+            pass
 
         def readdir(self, fh, start, limit=None):
             items = list(self._node(fh).children.items())[start:]
@@ -355,6 +359,18 @@ def serve_binding(mnt: str) -> int:
 
         def access(self, ino, mask):
             pass
+
+        def getxattr(self, ino, name):        # asked before every cached write, as of any fs
+            raise FsError(errno.ENODATA, "")
+
+        def listxattr(self, ino):
+            return []
+
+        def _nosys(self, *args):              # what the figures never ask: libfuse's default
+            raise FsError(errno.ENOSYS, "")
+
+        fallocate = fsyncdir = link = mknod = readlink = rename = symlink = _nosys
+        setxattr = removexattr = _nosys
 
     _fuse.mount(NullOps(), mnt, sorted(fuse_options("nullfs")))
     try:
