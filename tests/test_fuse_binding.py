@@ -206,3 +206,24 @@ def test_a_read_only_close_does_not_wait_for_the_daemon(mounted):
     w.join(30)
     assert closed.get("rw")
     assert p.read_bytes() == b"y" + b"x" * 9_999
+
+
+def test_an_ops_object_lacking_a_handler_is_refused_before_mounting(tmp_path):
+    """A handler looked up when its request arrives fails outside the handler's try, and that
+    request is never answered (the ceiling bench's null file system lacked ``releasedir``):
+    ``mount`` names what is missing instead, and mounts nothing."""
+    from retainzfs import _fuse
+    from retainzfs.fs import Operations
+
+    class Partial:
+        pass
+
+    for name in _fuse._OPS_NEEDED:
+        if not name.endswith("timeout") and name not in ("blksize", "want_acl"):
+            assert callable(getattr(Operations, name, None)), name   # fs.py has them all
+    for name in ("open", "releasedir", "fsyncdir"):
+        setattr(Partial, name, lambda *a: None)
+    with pytest.raises(TypeError, match=r"lacks access, blksize, .*release, removexattr") as e:
+        _fuse.mount(Partial(), str(tmp_path), [])
+    assert "releasedir" not in str(e.value) and "open," not in str(e.value)
+    assert not is_mounted(str(tmp_path))
