@@ -13,8 +13,10 @@ import errno
 import hashlib
 import os
 import random
+import re
 import signal
 import threading
+from pathlib import Path
 
 import pytest
 import xattr
@@ -218,6 +220,8 @@ def test_an_ops_object_lacking_a_handler_is_refused_before_mounting(tmp_path):
     class Partial:
         pass
 
+    pyx = (Path(_fuse.__file__).parent / "_fuse.pyx").read_text()
+    assert set(_fuse._OPS_NEEDED) == set(re.findall(r"\b_ops\.(\w+)", pyx))   # all it uses
     for name in _fuse._OPS_NEEDED:
         if not name.endswith("timeout") and name not in ("blksize", "want_acl"):
             assert callable(getattr(Operations, name, None)), name   # fs.py has them all
