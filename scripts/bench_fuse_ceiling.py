@@ -255,7 +255,7 @@ def serve_binding(mnt: str) -> int:
             try:
                 return self.nodes[ino]
             except KeyError:
-                raise FsError(errno.ENOENT, "") from None
+                raise FsError(errno.ENOENT) from None
 
         def lookup(self, parent, name):
             ino = self._node(parent).children.get(name)
@@ -276,7 +276,7 @@ def serve_binding(mnt: str) -> int:
             with self.lock:
                 p = self._node(parent)
                 if name in p.children:
-                    raise FsError(errno.EEXIST, "")
+                    raise FsError(errno.EEXIST)
                 n = Node(self.next, mode)
                 self.next += 1
                 self.nodes[n.ino] = n
@@ -323,7 +323,7 @@ def serve_binding(mnt: str) -> int:
             with self.lock:
                 ino = self._node(parent).children.pop(name, None)
                 if ino is None:
-                    raise FsError(errno.ENOENT, "")
+                    raise FsError(errno.ENOENT)
                 self.nodes.pop(ino, None)
 
         def unlink(self, parent, name):
@@ -331,7 +331,7 @@ def serve_binding(mnt: str) -> int:
 
         def rmdir(self, parent, name):
             if self.nodes[self._node(parent).children.get(name, 0)].children:
-                raise FsError(errno.ENOTEMPTY, "")
+                raise FsError(errno.ENOTEMPTY)
             self._remove(parent, name)
 
         def opendir(self, ino):
@@ -361,13 +361,13 @@ def serve_binding(mnt: str) -> int:
             pass
 
         def getxattr(self, ino, name):        # asked before every cached write, as of any fs
-            raise FsError(errno.ENODATA, "")
+            raise FsError(errno.ENODATA)
 
         def listxattr(self, ino):
             return []
 
         def _nosys(self, *args):              # what the figures never ask: libfuse's default
-            raise FsError(errno.ENOSYS, "")
+            raise FsError(errno.ENOSYS)
 
         fallocate = fsyncdir = link = mknod = readlink = rename = symlink = _nosys
         setxattr = removexattr = _nosys

@@ -21,6 +21,7 @@ import xattr
 from conftest import (MKFS, MOUNT, RETAINZFS, daemon_pids, image_locked, is_mounted, missing,
                       run, tmpfs, wait_for)
 from retainzfs import hints as H
+from retainzfs.replay import pattern
 
 MiB = 1 << 20
 
@@ -1352,20 +1353,13 @@ def test_gc_relocates_live_data_under_pressure(make_image, mount_image):
     print("gc_copied_bytes", st["gc_copied_bytes"], "resets", st["zone_resets"])
 
 
-def _race_block(fid: int, i: int) -> bytes:
-    """Block ``i`` of file ``fid``: names both in every 56 bytes, so a block of any other
-    file, another block of this one, or zeros is told apart from the right one."""
-    head = fid.to_bytes(8, "little") + i.to_bytes(8, "little")
-    unit = head + hashlib.blake2b(head, digest_size=40).digest()
-    return (unit * (4096 // 56 + 1))[:4096]
-
-
 def test_reads_racing_unlinks_resets_and_gc_copies_get_only_the_files_own_bytes(make_image,
                                                                                 mount_image):
     """Readers open files that writers are deleting, hold them open while the names go and
     the zones are reset or their data copied away by GC, and read them whole with the page
     cache out of the way (O_DIRECT for two readers, POSIX_FADV_DONTNEED for two): every
-    block read is that file's own: open-but-unlinked files keep their data through resets
+    block read is that file's own (``replay.pattern``: each 8-byte word names the file and
+    its offset): open-but-unlinked files keep their data through resets
     (freeing an unlinked file while open fails this at once), and GC's copies read back
     whole.  A 128 MiB device with 4 MiB zones, long-lived files interleaved with short-lived
     ones so GC must copy.  The instant a reset or copy lands between a read's lookup and its
@@ -1388,8 +1382,7 @@ def test_reads_racing_unlinks_resets_and_gc_copies_get_only_the_files_own_bytes(
                 p = m / f"w{w}_{fid}"
                 try:
                     with open(f"{p}.tmp", "wb") as f:
-                        for i in range(n):
-                            f.write(_race_block(fid, i))
+                        f.write(pattern(0, 0, fid, 0, n * 4096))   # each word: file, offset
                         os.fsync(f.fileno())
                     os.rename(f"{p}.tmp", p)
                 except OSError as e:
@@ -1434,7 +1427,7 @@ def test_reads_racing_unlinks_resets_and_gc_copies_get_only_the_files_own_bytes(
                         k = os.preadv(fd, [buf], off)
                         assert k > 0 and k % 4096 == 0, (name, off, k, size)
                         for j in range(0, k, 4096):
-                            if buf[j:j + 4096] != _race_block(fid, (off + j) // 4096):
+                            if buf[j:j + 4096] != bytes(pattern(0, 0, fid, off + j, 4096)):
                                 errors.append(f"{name} block {(off + j) // 4096} (direct="
                                               f"{direct}): {bytes(buf[j:j + 16]).hex()}")
                                 break
