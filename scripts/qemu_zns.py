@@ -14,8 +14,10 @@ Usage::
 
 COMMAND runs as ``bash -c COMMAND`` (several words are shell-quoted and joined)
 as root in the guest, with cwd = the host's cwd. Inside, RETAINZ_ZNS_DEV names
-the zoned namespace (e.g. /dev/nvme0n1; mq-deadline is selected on it) and, with
---conv-size, RETAINZ_CONV_DEV a regular namespace. The guest's / is read-only;
+the zoned namespace (e.g. /dev/nvme0n1; mq-deadline is selected on it), with
+--conv-size RETAINZ_CONV_DEV a regular namespace, and with --zns2-capacity
+RETAINZ_ZNS_DEV2 a second zoned namespace (its own zone capacity; the same size,
+zone size and limits): two geometries for the price of one boot. The guest's / is read-only;
 the cwd is shared read-write unless --ro-cwd; /tmp is a guest-private overlay.
 Output is streamed; the exit status is COMMAND's. Runner failures: 124 timeout,
 125 the guest never reported a status (boot failure, panic), 127 prerequisites
@@ -159,11 +161,12 @@ modprobe -q nvme 2>/dev/null
 # read-only trees with cache=loose (coherence with host changes is not needed).
 {cache_mounts}
 modprobe -q fuse 2>/dev/null
-find_dev() {{  # $1 = want zoned (1) or regular (0)
+find_dev() {{  # $1 = want zoned (1) or regular (0); $2 = its namespace id (or any)
     local d z
     for d in /sys/block/nvme*n*; do
         [ -e "$d" ] || continue
         [ "$(cat "$d/device/serial" 2>/dev/null | tr -d ' ')" = {serial} ] || continue
+        [ -z "$2" ] || [ "$(cat "$d/nsid" 2>/dev/null)" = "$2" ] || continue
         z=$(cat "$d/queue/zoned")
         if [ "$1" = 1 ] && [ "$z" != none ]; then echo "/dev/${{d##*/}}"; return 0; fi
         if [ "$1" = 0 ] && [ "$z" = none ]; then echo "/dev/${{d##*/}}"; return 0; fi
@@ -171,7 +174,9 @@ find_dev() {{  # $1 = want zoned (1) or regular (0)
     return 1
 }}
 for i in $(seq 1 1200); do      # up to 120 s: NVMe probing crawls on a loaded TCG host
-    RETAINZ_ZNS_DEV=$(find_dev 1) && break
+    RETAINZ_ZNS_DEV=$(find_dev 1 1) || {{ sleep 0.1; continue; }}
+    [ -z "{want_zns2}" ] && break
+    RETAINZ_ZNS_DEV2=$(find_dev 1 3) && break
     sleep 0.1
 done
 if [ -z "$RETAINZ_ZNS_DEV" ]; then
@@ -179,16 +184,23 @@ if [ -z "$RETAINZ_ZNS_DEV" ]; then
     ls -l /sys/block >&2
     touch "$RUNDIR/nodev"; echo 125 > "$RUNDIR/rc"; exit 125
 fi
-export RETAINZ_ZNS_DEV
-q=/sys/block/${{RETAINZ_ZNS_DEV#/dev/}}/queue
-# Kernels before 6.10 need mq-deadline (zone write locking) for zoned writes.
-if grep -qw mq-deadline "$q/scheduler"; then
-    echo mq-deadline > "$q/scheduler" 2>/dev/null
+if [ -n "{want_zns2}" ] && [ -z "$RETAINZ_ZNS_DEV2" ]; then
+    echo "qemu_zns: the second zoned NVMe namespace (nsid 3) did not appear in the guest" >&2
+    ls -l /sys/block >&2
+    touch "$RUNDIR/nodev"; echo 125 > "$RUNDIR/rc"; exit 125
 fi
+export RETAINZ_ZNS_DEV RETAINZ_ZNS_DEV2
+# Kernels before 6.10 need mq-deadline (zone write locking) for zoned writes.
+for z in $RETAINZ_ZNS_DEV $RETAINZ_ZNS_DEV2; do
+    if grep -qw mq-deadline "/sys/block/${{z#/dev/}}/queue/scheduler"; then
+        echo mq-deadline > "/sys/block/${{z#/dev/}}/queue/scheduler" 2>/dev/null
+    fi
+done
+q=/sys/block/${{RETAINZ_ZNS_DEV#/dev/}}/queue
 if [ -n "{want_conv}" ]; then
     RETAINZ_CONV_DEV=$(find_dev 0); export RETAINZ_CONV_DEV
 fi
-log "RETAINZ_ZNS_DEV=$RETAINZ_ZNS_DEV (kernel $(uname -r)): $(cat $q/zoned), $(cat $q/nr_zones) zones of $(( $(cat $q/chunk_sectors) / 2 ))K, max_open $(cat $q/max_open_zones), max_active $(cat $q/max_active_zones), lbs $(cat $q/logical_block_size), scheduler $(cat $q/scheduler)${{RETAINZ_CONV_DEV:+; conventional $RETAINZ_CONV_DEV}}"
+log "RETAINZ_ZNS_DEV=$RETAINZ_ZNS_DEV (kernel $(uname -r)): $(cat $q/zoned), $(cat $q/nr_zones) zones of $(( $(cat $q/chunk_sectors) / 2 ))K, max_open $(cat $q/max_open_zones), max_active $(cat $q/max_active_zones), lbs $(cat $q/logical_block_size), scheduler $(cat $q/scheduler)${{RETAINZ_ZNS_DEV2:+; second zoned $RETAINZ_ZNS_DEV2}}${{RETAINZ_CONV_DEV:+; conventional $RETAINZ_CONV_DEV}}"
 cd {cwd} || {{ echo 125 > "$RUNDIR/rc"; exit 125; }}
 touch "$RUNDIR/started"
 bash -c {command} </dev/null
@@ -216,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="logical/physical block size")
     p.add_argument("--conv-size", type=parse_size, default=0,
                    help="also add a regular namespace of this size (RETAINZ_CONV_DEV)")
+    p.add_argument("--zns2-capacity", type=parse_size, default=None,
+                   help="also add a second zoned namespace (nsid 3, RETAINZ_ZNS_DEV2) of the same "
+                        "size, zone size and limits with this zone capacity: a second geometry "
+                        "in the same boot (a TCG boot costs ~25 s)")
     p.add_argument("--image", default=None,
                    help="use (and keep) this backing image instead of a fresh one; "
                         "created sparse if missing. Only the data persists: QEMU 7.2 "
@@ -262,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         print("qemu_zns: --zone-capacity must be <= the zone size and a multiple of "
               "the block size", file=sys.stderr)
         return 2
+    zcap2 = args.zns2_capacity
+    if zcap2 is not None and (not 0 < zcap2 <= args.zone_size or zcap2 % args.block_size):
+        print("qemu_zns: --zns2-capacity must be <= the zone size and a multiple of "
+              "the block size", file=sys.stderr)
+        return 2
     if args.size % args.zone_size:
         print("qemu_zns: --size must be a multiple of the zone size", file=sys.stderr)
         return 2
@@ -299,6 +320,23 @@ def main(argv: list[str] | None = None) -> int:
                     f"zoned.max_active={args.max_active}",
                 ]),
             ]
+            if zcap2 is not None:
+                zns2 = os.path.join(rundir, "zns2.img")
+                with open(zns2, "wb") as f:
+                    f.truncate(args.size)
+                qemu_opts += [
+                    "-drive", f"file={zns2},id=zns2,format=raw,if=none",
+                    "-device", ",".join([
+                        "nvme-ns", "drive=zns2", "bus=nvme0", "nsid=3",
+                        f"logical_block_size={args.block_size}",
+                        f"physical_block_size={args.block_size}",
+                        "zoned=true",
+                        f"zoned.zone_size={fmt_size(args.zone_size)}",
+                        f"zoned.zone_capacity={fmt_size(zcap2)}",
+                        f"zoned.max_open={args.max_open}",
+                        f"zoned.max_active={args.max_active}",
+                    ]),
+                ]
             if args.conv_size:
                 conv = os.path.join(rundir, "conv.img")
                 with open(conv, "wb") as f:
@@ -328,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                                       for k, v in sorted(env.items())),
                     cache_mounts=cache_mounts, rundir=shlex.quote(rundir), serial=shlex.quote(SERIAL),
                     want_conv="1" if args.conv_size else "",
+                    want_zns2="1" if zcap2 is not None else "",
                     cwd=shlex.quote(cwd), command=shlex.quote(command)))
             os.chmod(script, 0o755)
 
@@ -347,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
 
             say(f"booting {os.path.basename(kernel)} (TCG) with ZNS namespace "
                 f"{fmt_size(args.size)}, zone {fmt_size(args.zone_size)} cap {fmt_size(zcap)}, "
-                f"max_open {args.max_open}, max_active {args.max_active}")
+                f"max_open {args.max_open}, max_active {args.max_active}"
+                + (f"; a second one with cap {fmt_size(zcap2)}" if zcap2 is not None else ""))
             t0 = time.monotonic()
             # Pipes, not the caller's fds: QEMU reopens /proc/self/fd/{1,2} for the
             # guest's stdout and stderr, and two opens of one regular file would

@@ -384,3 +384,14 @@ def say(capsys):
         with capsys.disabled():
             print(*args, **kw, flush=True)
     return _say
+
+
+@pytest.fixture(scope="session")
+def zns_guest():
+    """The one QEMU TCG guest boot the ``qemu`` tests share (tests/zns_guest.py): booted when
+    the first of them asks, ~3 min; its sections' results for the rest of the session."""
+    import zns_guest as Z
+    lacking = Z.missing_prereqs()
+    if lacking:
+        missing("QEMU ZNS prerequisites missing: " + lacking)
+    return Z.boot()
