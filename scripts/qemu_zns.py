@@ -166,7 +166,7 @@ find_dev() {{  # $1 = want zoned (1) or regular (0); $2 = its namespace id (or a
     for d in /sys/block/nvme*n*; do
         [ -e "$d" ] || continue
         [ "$(cat "$d/device/serial" 2>/dev/null | tr -d ' ')" = {serial} ] || continue
-        [ -z "$2" ] || [ "$(cat "$d/nsid" 2>/dev/null)" = "$2" ] || continue
+        [ -z "$2" ] || [ ! -e "$d/nsid" ] || [ "$(cat "$d/nsid")" = "$2" ] || continue
         z=$(cat "$d/queue/zoned")
         if [ "$1" = 1 ] && [ "$z" != none ]; then echo "/dev/${{d##*/}}"; return 0; fi
         if [ "$1" = 0 ] && [ "$z" = none ]; then echo "/dev/${{d##*/}}"; return 0; fi
@@ -176,7 +176,8 @@ find_dev() {{  # $1 = want zoned (1) or regular (0); $2 = its namespace id (or a
 for i in $(seq 1 1200); do      # up to 120 s: NVMe probing crawls on a loaded TCG host
     RETAINZ_ZNS_DEV=$(find_dev 1 1) || {{ sleep 0.1; continue; }}
     [ -z "{want_zns2}" ] && break
-    RETAINZ_ZNS_DEV2=$(find_dev 1 3) && break
+    RETAINZ_ZNS_DEV2=$(find_dev 1 3) && [ "$RETAINZ_ZNS_DEV2" != "$RETAINZ_ZNS_DEV" ] && break
+    RETAINZ_ZNS_DEV2=
     sleep 0.1
 done
 if [ -z "$RETAINZ_ZNS_DEV" ]; then
@@ -305,38 +306,25 @@ def main(argv: list[str] | None = None) -> int:
             if not os.path.exists(image) or os.path.getsize(image) < args.size:
                 with open(image, "ab") as f:
                     f.truncate(args.size)
-            qemu_opts = [
-                "-cpu", "max",
-                "-device", f"nvme,id=nvme0,serial={SERIAL}",
-                "-drive", f"file={image},id=zns,format=raw,if=none",
-                "-device", ",".join([
-                    "nvme-ns", "drive=zns", "bus=nvme0", "nsid=1",
-                    f"logical_block_size={args.block_size}",
-                    f"physical_block_size={args.block_size}",
-                    "zoned=true",
-                    f"zoned.zone_size={fmt_size(args.zone_size)}",
-                    f"zoned.zone_capacity={fmt_size(zcap)}",
-                    f"zoned.max_open={args.max_open}",
-                    f"zoned.max_active={args.max_active}",
-                ]),
-            ]
+            def zoned_ns(drive: str, nsid: int, cap: int) -> list[str]:
+                return ["-drive", f"file={drive},id=zns{nsid},format=raw,if=none",
+                        "-device", ",".join([
+                            "nvme-ns", f"drive=zns{nsid}", "bus=nvme0", f"nsid={nsid}",
+                            f"logical_block_size={args.block_size}",
+                            f"physical_block_size={args.block_size}",
+                            "zoned=true",
+                            f"zoned.zone_size={fmt_size(args.zone_size)}",
+                            f"zoned.zone_capacity={fmt_size(cap)}",
+                            f"zoned.max_open={args.max_open}",
+                            f"zoned.max_active={args.max_active}"])]
+
+            qemu_opts = ["-cpu", "max", "-device", f"nvme,id=nvme0,serial={SERIAL}",
+                         *zoned_ns(image, 1, zcap)]
             if zcap2 is not None:
                 zns2 = os.path.join(rundir, "zns2.img")
                 with open(zns2, "wb") as f:
                     f.truncate(args.size)
-                qemu_opts += [
-                    "-drive", f"file={zns2},id=zns2,format=raw,if=none",
-                    "-device", ",".join([
-                        "nvme-ns", "drive=zns2", "bus=nvme0", "nsid=3",
-                        f"logical_block_size={args.block_size}",
-                        f"physical_block_size={args.block_size}",
-                        "zoned=true",
-                        f"zoned.zone_size={fmt_size(args.zone_size)}",
-                        f"zoned.zone_capacity={fmt_size(zcap2)}",
-                        f"zoned.max_open={args.max_open}",
-                        f"zoned.max_active={args.max_active}",
-                    ]),
-                ]
+                qemu_opts += zoned_ns(zns2, 3, zcap2)
             if args.conv_size:
                 conv = os.path.join(rundir, "conv.img")
                 with open(conv, "wb") as f:
