@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import zns_guest as Z
 from conftest import missing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -34,7 +35,6 @@ from retainzfs.device import DeviceError, ImageZonedDevice, ZoneCond, create_ima
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "scripts" / "bench_block.py"
-RUNNER = REPO / "scripts" / "qemu_zns.py"
 MiB = 1 << 20
 BS = 4096
 
@@ -318,12 +318,6 @@ def test_direct_round_trip_property(prop_image, blocks, reads, seed):
 
 # -- inside the QEMU ZNS guest ---------------------------------------------------------------
 
-def _missing_prereqs():
-    proc = subprocess.run([sys.executable, str(RUNNER), "--dry-run", "--", "true"],
-                          capture_output=True, text=True)
-    return None if proc.returncode == 0 else (proc.stderr.strip() or proc.stdout.strip())
-
-
 QEMU_CONFIGS = {
     "4M": [],                                   # capacity == zone size: one dd stream
     "4M-cap3M": ["--zone-capacity", "3M"],      # one dd per zone (seek at zone starts)
@@ -340,7 +334,7 @@ def test_bench_block_qemu(config, request):
         sec = request.getfixturevalue("zns_guest").section("bench-block-4M")
         rc, out = sec.rc, sec.stdout
     else:
-        lacking = _missing_prereqs()
+        lacking = Z.missing_prereqs()
         if lacking:
             missing("QEMU ZNS prerequisites missing: " + lacking)
         cmd = [sys.executable, str(BENCH), "--qemu", "--size", "24", "--ns-size", "64M",
