@@ -371,14 +371,16 @@ def test_readahead_serves_hits_and_never_stale_bytes(tmp_path):
     """A sequential reader is served from the windows (``status.readahead``, and with
     no device call via ``read_cached``); an overwrite, a truncate, and a zone reset + rewrite of
     the very zone range that was read ahead are all seen at once."""
-    dev, s = _store(tmp_path)
+    from retainzfs.readahead import START
+    dev, s = _store(tmp_path, size=START + 64 * MiB)
     try:
-        a = os.urandom(16 * MiB)
+        # windows for the last 24 MiB; what the first pass leaves held (its last 12 MiB) is
+        # then more than a window past START, so the second reader's own windows start there
+        a = os.urandom(START + 24 * MiB)
         ino = _put(s, b"a", a, b"5")
         assert _seq(s, ino, len(a)) == a
         st = s.status()["readahead"]
         assert st["hits"] >= 8 and st["bytes"] >= 8 * MiB
-        from retainzfs.readahead import START
         before = s.status()["readahead"]["bytes"]
         for base in (9, 2, 12, 5, 0, 7):                       # mmap faults: the kernel reads
             for k in range(4):                                 # 4 MiB around each: no windows
@@ -470,14 +472,15 @@ def test_windows_survive_misses_and_a_step_back(tmp_path):
     to bytes just behind where it read: neither throws away windows already read, so the
     device reads each byte about once (a miss used to drop every held window, and windows
     behind the reader went at once: the same bytes were read again)."""
-    dev, s = _store(tmp_path)
+    from retainzfs.readahead import START
+    dev, s = _store(tmp_path, size=START + 64 * MiB)
     try:
-        a = os.urandom(40 * MiB)
+        a = os.urandom(START + 32 * MiB)
         ino = _put(s, b"a", a)
         seen = _device_reads(dev)
         got = {}
-        order = list(range(0, 12 * MiB, MiB))            # a sequence starts the windows
-        for base in range(12 * MiB, 40 * MiB, 4 * MiB):  # then pairs out of order, and a
+        order = list(range(0, START + 4 * MiB, MiB))     # a sequence starts the windows
+        for base in range(START + 4 * MiB, len(a), 4 * MiB):    # then pairs out of order, a
             order += [base + MiB, base, base + 2 * MiB, base + 3 * MiB, base - 3 * MiB]
         for off in order:                                # step back of 3 MiB each time
             got[off] = s.read(ino, off, MiB)
@@ -591,9 +594,9 @@ def test_a_dcp_shard_read_backwards_item_by_item_reads_each_byte_about_once(tmp_
     past each item's end into the item read just before, and the device read the shard
     1.5x over."""
     from retainzfs.readahead import START
-    dev, s = _store(tmp_path, size=128 * MiB)
+    dev, s = _store(tmp_path, size=192 * MiB)
     try:
-        sizes = [2, 3, 4, 5, 6, 7, 9, 10, 11, 12]                     # MiB, like bench_dcp's
+        sizes = [2, 3, 4, 5, 6, 7, 9, 24, 28, 10]      # MiB: two longer than START up to 16 MiB
         a = os.urandom(sum(sizes) * MiB)
         ino = _put(s, b"shard", a)
         seen = _device_reads(dev)
