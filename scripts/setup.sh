@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
 PY=${PYTHON:-python3}
 need_apt=()
-for pkg in gcc fuse3 libfuse3-dev pkg-config attr util-linux fio btrfs-progs xfsprogs acl rsync stress-ng; do
+for pkg in gcc fuse3 libfuse3-dev pkg-config attr util-linux fio btrfs-progs xfsprogs acl rsync stress-ng git; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 # another apt/dpkg (unattended-upgrades on a fresh machine) may hold the lock: wait for it
