@@ -738,6 +738,7 @@ class ImageZonedDevice(ZonedDevice):
     _kept: frozenset = frozenset()      # zones whose blocks stay allocated (keep_allocated)
     _alloc: set                         # data zones whose whole capacity the image holds
     _host_full = False                  # the last zone write found the host file system full
+    _host_ro = False                    # a zone write found the host file system read-only
     parallel_writes = True      # a file takes writes anywhere, at any time
 
     def __init__(self, path: str | os.PathLike[str], direct: bool = False,
@@ -861,6 +862,17 @@ class ImageZonedDevice(ZonedDevice):
                     raise
                 self._io_write_host(zone, wp, data, n)
         except OSError as e:
+            if e.errno == errno.EROFS and not isinstance(e, FsError):
+                # the host file system turned read-only under the image (ext4 with
+                # errors=remount-ro after a disk error): the writer's EIO, as for every change
+                # after it (fsync(2) and write(2) have no EROFS), said once, not a traceback
+                # per request
+                if not self._host_ro:
+                    self._host_ro = True
+                    log.error("%s: the host file system under the image is read-only (remounted "
+                              "after an error?); changes fail with EIO, reads still work; "
+                              "unmount, check the host, mount again", self.path)
+                raise FsError(errno.EIO, f"{self.path}: host file system read-only") from None
             if e.errno != errno.ENOSPC or isinstance(e, FsError):
                 raise
             # the host file system under the image is full: the writer's ENOSPC (the zone

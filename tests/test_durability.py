@@ -894,6 +894,49 @@ def loop_host(tmp_path):
         subprocess.run(["losetup", "-d", loop], capture_output=True)
 
 
+def test_a_host_file_system_turned_read_only_under_the_image_keeps_every_fsynced_file(
+        loop_host, mount_image):
+    """The ext4 under the image aborts while it is mounted (``mount -o remount,abort``: what a
+    disk error does to it with errors=remount-ro, on a training node's data disk): changes
+    through the mount fail at once with EIO (no hang), ``status`` says why, every fsynced
+    file still reads back from the image; after the host is checked and mounted again, a
+    mount recovers every fsynced file and takes writes, and fsck is clean."""
+    host = loop_host(["mkfs.ext4", "-q"], "400M")
+    loop = run("findmnt", "-no", "SOURCE", host).stdout.strip()
+    img = host / "img.zns"
+    run(MKFS, "--size", "256M", "--zone-size", "4M", "--quiet", img)
+    m = mount_image(img)
+    rng = random.Random(11)
+    want = {}
+    for i in range(6):
+        want[f"keep{i}"] = data = rng.randbytes(rng.randrange(1, 3 * MiB))
+        with open(m / f"keep{i}", "wb") as f:
+            f.write(data)
+            os.fsync(f.fileno())
+    run("mount", "-o", "remount,abort", host)
+    for i in range(3):
+        with pytest.raises(OSError) as e:
+            with open(m / f"new{i}", "wb") as f:
+                f.write(rng.randbytes(2 * MiB))
+                os.fsync(f.fileno())
+        assert e.value.errno == errno.EIO
+    with pytest.raises(OSError) as e:
+        os.mkdir(m / "d")
+    assert e.value.errno == errno.EIO
+    assert "read-only" in status_json(m)["device_error"]
+    run("sh", "-c", "echo 3 > /proc/sys/vm/drop_caches")    # reads come from the image
+    assert {n: (m / n).read_bytes() for n in want} == want
+    m.umount()
+    run("umount", host)
+    subprocess.run(["e2fsck", "-fy", loop], capture_output=True)   # (rc 1: it fixed things)
+    run("mount", loop, host)
+    m.mount()
+    assert {n: (m / n).read_bytes() for n in want} == want
+    (m / "after").write_bytes(b"x" * MiB)
+    m.umount()
+    assert_fsck_clean(img)
+
+
 @pytest.fixture
 def small_ext4(loop_host):
     """A 160 MiB ext4: a host file system with ZERO_RANGE, where a reset zone keeps its
