@@ -739,6 +739,7 @@ class ImageZonedDevice(ZonedDevice):
     _alloc: set                         # data zones whose whole capacity the image holds
     _host_full = False                  # the last zone write found the host file system full
     _host_ro = False                    # a zone write found the host file system read-only
+    _host_ro_reads = False              # ... and a direct read was refused (EROFS) there
     parallel_writes = True      # a file takes writes anywhere, at any time
 
     def __init__(self, path: str | os.PathLike[str], direct: bool = False,
@@ -901,10 +902,15 @@ class ImageZonedDevice(ZonedDevice):
                     raise _err(errno.EIO, f"{self.path}: short write")
                 done += w
 
-    def _io_read(self, zone: int, offset: int, length: int) -> bytes:
+    def _io_read(self, zone: int, offset: int, length: int, direct: bool = True) -> bytes:
         off = self._zone_off(zone) + offset
-        if self._dio is not None and length >= _IMAGE_DIRECT_MIN:
-            return self._dio.pread(off, length)
+        if direct and self._dio is not None and length >= _IMAGE_DIRECT_MIN:
+            try:
+                return self._dio.pread(off, length)
+            except OSError as e:
+                if e.errno != errno.EROFS:
+                    raise
+                self._direct_reads_refused()
         data = os.pread(self._fd, length, off)
         if len(data) == length:
             return data
@@ -925,7 +931,22 @@ class ImageZonedDevice(ZonedDevice):
     def _io_read_view(self, zone: int, offset: int, length: int) -> Buffer:
         if length < _IMAGE_DIRECT_MIN:      # small: the page cache may hold it (small writes)
             return self._io_read(zone, offset, length)
-        return self._dio.pread_view(self._zone_off(zone) + offset, length)
+        try:
+            return self._dio.pread_view(self._zone_off(zone) + offset, length)
+        except OSError as e:
+            if e.errno != errno.EROFS:
+                raise
+            self._direct_reads_refused()
+            return self._io_read(zone, offset, length, direct=False)
+
+    def _direct_reads_refused(self) -> None:
+        """An aborted ext4 (errors=remount-ro after a disk error) answers O_DIRECT reads with
+        EROFS while buffered reads still work: read through the host's page cache then (the
+        checksums still check every byte), said once."""
+        if not self._host_ro_reads:
+            self._host_ro_reads = True
+            log.error("%s: the host file system refuses direct reads (read-only after an "
+                      "error?); reading through its page cache", self.path)
 
     def _io_mgmt(self, op: str, zone: int) -> None:
         pass                                # the table entry written by _persist is the command
