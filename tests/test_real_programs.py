@@ -2,8 +2,8 @@
 written by several processes at once (the local stores of experiment trackers and HPO tools:
 record locks, a WAL index every process maps shared, fsyncs) and a git repository put through
 clone, commits, gc, repack and a worktree -- then an unmount, a remount and each program's own
-consistency check.  Found nothing when first run as probes (stop 52); kept because neither
-shape was covered (the SQLite power-cut test is one writer; nothing ran git).
+consistency check.  Found nothing when first run as probes (stop 52); kept because no test
+had either shape (the SQLite power-cut test is one writer; git was only run by hand, stop 50).
 """
 from __future__ import annotations
 
