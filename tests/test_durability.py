@@ -916,7 +916,7 @@ def test_a_host_file_system_turned_read_only_under_the_image_keeps_every_fsynced
             os.fsync(f.fileno())
     for i in range(5):                      # zones reset: then ext4, aborted, also refused
         os.unlink(m / f"f{i}")              # O_DIRECT reads of the image with EROFS (each
-        del want[f"f{i}"]                   # answered EIO, a traceback logged); now they
+        del want[f"f{i}"]                   # answered EROFS, a traceback logged); now they
     time.sleep(1.5)                         # go through its page cache
     run("mount", "-o", "remount,abort", host)
     for i in range(3):
