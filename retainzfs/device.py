@@ -739,7 +739,7 @@ class ImageZonedDevice(ZonedDevice):
     _alloc: set                         # data zones whose whole capacity the image holds
     _host_full = False                  # the last zone write found the host file system full
     _host_ro = False                    # a zone write found the host file system read-only
-    _host_ro_reads = False              # ... and a direct read was refused (EROFS) there
+    _host_ro_reads = False              # a direct read was refused (EROFS): read buffered
     parallel_writes = True      # a file takes writes anywhere, at any time
 
     def __init__(self, path: str | os.PathLike[str], direct: bool = False,
@@ -902,9 +902,9 @@ class ImageZonedDevice(ZonedDevice):
                     raise _err(errno.EIO, f"{self.path}: short write")
                 done += w
 
-    def _io_read(self, zone: int, offset: int, length: int, direct: bool = True) -> bytes:
+    def _io_read(self, zone: int, offset: int, length: int) -> bytes:
         off = self._zone_off(zone) + offset
-        if direct and self._dio is not None and length >= _IMAGE_DIRECT_MIN:
+        if self._dio is not None and length >= _IMAGE_DIRECT_MIN and not self._host_ro_reads:
             try:
                 return self._dio.pread(off, length)
             except OSError as e:
@@ -929,20 +929,21 @@ class ImageZonedDevice(ZonedDevice):
         return self._dio is not None
 
     def _io_read_view(self, zone: int, offset: int, length: int) -> Buffer:
-        if length < _IMAGE_DIRECT_MIN:      # small: the page cache may hold it (small writes)
-            return self._io_read(zone, offset, length)
-        try:
+        if length < _IMAGE_DIRECT_MIN or self._host_ro_reads:
+            return self._io_read(zone, offset, length)   # small (the page cache may hold
+        try:                                             # it), or direct reads refused
             return self._dio.pread_view(self._zone_off(zone) + offset, length)
         except OSError as e:
             if e.errno != errno.EROFS:
                 raise
             self._direct_reads_refused()
-            return self._io_read(zone, offset, length, direct=False)
+            return self._io_read(zone, offset, length)
 
     def _direct_reads_refused(self) -> None:
         """An aborted ext4 (errors=remount-ro after a disk error) answers O_DIRECT reads with
-        EROFS while buffered reads still work: read through the host's page cache then (the
-        checksums still check every byte), said once."""
+        EROFS while buffered reads still work: every read goes through the host's page cache
+        from then on, for this mount's life (the host stays read-only until it is mounted
+        again; the checksums still check every byte), said once."""
         if not self._host_ro_reads:
             self._host_ro_reads = True
             log.error("%s: the host file system refuses direct reads (read-only after an "

@@ -8,6 +8,7 @@ had either shape (the SQLite power-cut test is one writer; git was only run by h
 from __future__ import annotations
 
 import hashlib
+import random
 import subprocess
 import sys
 
@@ -72,7 +73,7 @@ def test_a_git_repository_survives_gc_repack_a_worktree_and_a_remount(mounted, t
     src = tmp_path / "src"
     src.mkdir()
     _git(src, "init", "-q")
-    rnd = __import__("random").Random(5)
+    rnd = random.Random(5)
     for c in range(25):                                   # files that grow and change
         for f in range(4):
             with open(src / f"f{f}.txt", "a") as fh:
