@@ -8,6 +8,8 @@ import errno
 import logging
 import os
 import stat
+import threading
+import time
 
 from .common import die
 
@@ -89,7 +91,83 @@ class OneLineFormatter(logging.Formatter):
         return super().formatMessage(record).translate(_CONTROL)
 
 
+class RepeatFilter(logging.Filter):
+    """A record like one written less than ``window`` seconds ago is counted, not written;
+    the next one written after the window says how many it stood for, and ``flush`` says
+    the rest.  Why: a failing disk answers every request with the same error, and the
+    handler's report of it (a traceback, ~1.5 KB) was written per request -- one reader
+    retrying a bad spot of an image whose host answered EIO wrote 14 MB of log in 10 s,
+    enough to fill /var/log in hours.  libfuse's own messages are counted the same way (in
+    C, ``rz_fuse_log``).  "Like": the same logger, level, message and exception type and
+    errno.  Thread-safe (FUSE handlers log from libfuse's threads)."""
+
+    def __init__(self, window: float = 60.0, clock=time.monotonic) -> None:
+        super().__init__()
+        self.window = window
+        self.clock = clock
+        self.lock = threading.Lock()
+        #: key -> [when last written (clock), records counted since, wall time of the first]
+        self.seen: dict[tuple, list] = {}
+
+    @staticmethod
+    def key(r: logging.LogRecord) -> tuple:
+        exc = r.exc_info[1] if r.exc_info else None
+        return (r.name, r.levelno, r.getMessage(), type(exc).__name__ if exc else None,
+                getattr(exc, "errno", None))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        k = self.key(record)
+        now = self.clock()
+        with self.lock:
+            e = self.seen.get(k)
+            if e is not None and now - e[0] < self.window:
+                if not e[1]:
+                    e[2] = record.created
+                e[1] += 1
+                return False
+            if e is not None and e[1]:
+                record.msg = "%s (and %d more like it since %s, not written)" % (
+                    record.getMessage(), e[1], _hms(e[2]))
+                record.args = None
+            self.seen[k] = [now, 0, 0.0]
+            if len(self.seen) > 4096:          # forget what is quiet and owes no count
+                self.seen = {q: v for q, v in self.seen.items()
+                             if v[1] or now - v[0] < self.window}
+        return True
+
+    def flush(self) -> list[tuple[str, int, str]]:
+        """The counts not yet said, as (logger, level, line) to log without tracebacks."""
+        out = []
+        with self.lock:
+            for (name, level, msg, _, _), e in self.seen.items():
+                if e[1]:
+                    out.append((name, level, "%s (%d more like it since %s, not written)"
+                                % (msg, e[1], _hms(e[2]))))
+                    e[1] = 0
+        return out
+
+
+def _hms(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))
+
+
+#: the daemon's filter (``log_to``), for ``flush_repeats``
+_repeats: RepeatFilter | None = None
+
+
 def log_to(stream, level: int) -> None:
+    global _repeats
     h = logging.StreamHandler(stream)
     h.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    _repeats = RepeatFilter()
+    h.addFilter(_repeats)
     logging.basicConfig(level=level, handlers=[h])
+
+
+def flush_repeats() -> None:
+    """Say the repeats counted and not yet said (at unmount: a flood that stopped within
+    its last minute would otherwise go uncounted)."""
+    if _repeats is None:
+        return
+    for name, level, line in _repeats.flush():
+        logging.getLogger(name).log(level, "%s", line)

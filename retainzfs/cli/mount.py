@@ -506,6 +506,7 @@ def serve(target: str, mnt: str, ours: dict, fuse_extra: list[str], notify_fd: i
             log.exception("closing store")
             rc = 1
         dev.close()
+        daemonlog.flush_repeats()
         log.info("unmounted %s", mnt)
     return rc
 
