@@ -1529,6 +1529,24 @@ def open_device(path: str | os.PathLike[str], direct: bool | None = False,
         raise DeviceError(f"{path}: no such file or device") from None
     except OSError as e:
         raise DeviceError(f"{path}: {e.strerror}") from None
+    try:
+        return _open_by_type(path, st, direct, readonly)
+    except OSError as e:                    # (not DeviceError: what opening it said already)
+        raise DeviceError(unreadable(path, e)) from None
+
+
+def unreadable(path: str, e: OSError) -> str:
+    """One line for a target whose I/O failed while opening it (EIO: a failing disk, or the
+    file system holding the image failing); before, ``fsck`` and ``mkfs`` printed a
+    traceback and a mount logged one."""
+    if e.errno in (errno.EIO, errno.ENXIO, errno.ENODATA, errno.EBADMSG, errno.EREMOTEIO):
+        return (f"{path}: reading it failed: {e.strerror} (the device, or the file system "
+                f"holding the image, reports an error; see dmesg)")
+    return f"{path}: {e.strerror or e}"
+
+
+def _open_by_type(path: str, st: os.stat_result, direct: bool | None,
+                  readonly: bool) -> ZonedDevice:
     if stat.S_ISBLK(st.st_mode):
         return BlockZonedDevice(path, readonly=readonly)
     if stat.S_ISREG(st.st_mode):

@@ -355,7 +355,7 @@ def mount_image(tmp_path, request):
         return m
     yield mount
     failed = []
-    for m in mounts:
+    for m in reversed(mounts):          # (last first: a mount may hold a later one's image)
         m.teardown()
         bad = [ln for ln in m.daemon_log().splitlines()
                if "internal error" in ln or "Traceback" in ln or "FUSE loop failed" in ln]

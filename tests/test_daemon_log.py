@@ -1,17 +1,15 @@
 """The daemon's log under an error that repeats at every request: counted, not written each
 time (``daemonlog.RepeatFilter``).  Found at stop 53: an image whose host file system answered
-EIO for one spot, read in a loop by one retrying reader, wrote 14 MB of tracebacks in 10 s."""
+EIO for one spot, read in a loop by one retrying reader, wrote 14 MB of tracebacks in 10 s
+(the mount test of that is in test_host_eio.py)."""
 from __future__ import annotations
 
 import io
 import logging
-import os
 import re
-import time
 
 from hypothesis import given, settings, strategies as st
 
-from conftest import mkfs
 from retainzfs.cli.daemonlog import OneLineFormatter, RepeatFilter
 
 
@@ -127,59 +125,3 @@ def test_every_record_is_written_or_counted_exactly_once(events):
         total += int(re.fullmatch(r"\w \((\d+) more like it since \S+, not written\)",
                                   line).group(1))
     assert total == len(events), (written, events)
-
-
-def test_a_host_answering_eio_for_one_spot_writes_one_traceback_and_a_count(
-        tmp_path, mount_image, request):
-    """The image of one mount lives on another mount (so its host answers EIO where the
-    host's own bytes are corrupt: the outer mount's checksums refuse them).  One reader
-    retries a 4 KiB read of that spot for 3 s: every read fails with EIO, the inner daemon's
-    log holds one traceback and, after the unmount, the count of the rest."""
-    request.node.allow_daemon_errors = True            # (the one traceback is the point)
-    outer_img = mkfs(tmp_path / "outer.zns", "256M", "4M")
-    outer = mount_image(outer_img, name="outer")
-    inner_img = mkfs(outer.path / "inner.zns", "64M", "4M")
-    inner = mount_image(inner_img, name="inner")
-    data = os.urandom(4 << 20)
-    with open(inner / "f", "wb") as fh:
-        fh.write(data)
-        os.fsync(fh.fileno())
-    os.sync()                                 # (the outer daemon's bytes reach its image)
-    raw = outer_img.read_bytes()
-    at = raw.find(data[8192:8192 + 4096])
-    assert at > 0 and raw.find(data[8192:8192 + 4096], at + 1) < 0
-    with open(outer_img, "r+b") as fh:          # the outer image's bytes, behind its daemon
-        fh.seek(at + 100)
-        fh.write(b"\xff" * 16)
-    with open("/proc/sys/vm/drop_caches", "w") as fh:
-        fh.write("3")
-    failed = reads = 0
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 3:
-        fd = os.open(inner / "f", os.O_RDONLY)
-        try:
-            os.pread(fd, 4096, 8192)
-        except OSError as e:
-            assert e.errno == 5
-            failed += 1
-        finally:
-            os.close(fd)
-        reads += 1
-        if reads % 20 == 0:
-            with open("/proc/sys/vm/drop_caches", "w") as fh:
-                fh.write("1")
-    assert failed == reads and reads > 100, (failed, reads)
-    inner.umount()
-    log = inner.daemon_log()
-    assert log.count("Traceback") == 1 and log.count("ERROR retainzfs: I/O error in read\n") == 1
-    m = re.search(r"I/O error in read \((\d+) more like it since \d\d:\d\d:\d\d, not written\)",
-                  log)
-    assert m and int(m.group(1)) + 1 >= failed, log[-2000:]    # (the kernel may ask twice)
-    assert len(log) < 8000, len(log)            # 14 MB in 10 s before
-    # the inner image is whole but for that spot: a remount reads the rest
-    inner.mount()
-    with open(inner / "f", "rb") as fh:
-        fh.seek(1 << 20)
-        assert fh.read() == data[1 << 20:]
-    inner.umount()
-    outer.umount()

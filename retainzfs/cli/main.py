@@ -15,7 +15,7 @@ from .common import (DAEMON_TIMEOUT, ask_daemon, die, find_mount_of, is_retainzf
 def _open_offline(target: str, readonly: bool = True):
     """Open an unmounted target (read-only: no repairs written); one-line errors."""
     from .. import _journal as J
-    from ..device import DeviceError, open_device
+    from ..device import DeviceError, open_device, unreadable
     from ..store import Store, StoreOptions
     from ..superblock import FormatError
     try:
@@ -24,17 +24,23 @@ def _open_offline(target: str, readonly: bool = True):
         die(str(e))
     try:
         sb = J.probe_superblock(dev)
+        msg = no_superblock_message(dev, target) if sb is None else ""
     except FormatError as e:
         dev.close()
         die(f"{target}: {e}")
+    except OSError as e:
+        dev.close()
+        die(unreadable(target, e))
     if sb is None:
-        msg = no_superblock_message(dev, target)
         dev.close()
         die(msg)
     try:
         store = Store(dev, StoreOptions(allocator=sb.allocator, gc_reserve=sb.gc_reserve,
                                         readonly=readonly))
-    except (J.JournalError, FormatError, OSError) as e:
+    except OSError as e:
+        dev.close()
+        die(unreadable(target, e))
+    except (J.JournalError, FormatError) as e:
         dev.close()
         die(f"{target}: {'' if readonly else 'cannot repair: '}{e}")
     return dev, store

@@ -8,7 +8,7 @@ import stat
 import sys
 
 from .. import _journal as J
-from ..device import DeviceError, create_image, open_device
+from ..device import DeviceError, create_image, open_device, unreadable
 from ..store import FsError, Store
 from ..superblock import meta_zones_problem
 from ..superblock import FormatError
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         die(str(e))
     except ValueError as e:
         die(str(e))
+    except OSError as e:                    # (a device that fails to read: one line)
+        die(unreadable(args.target, e))
     try:
         sb = Store.format(dev, meta_zones=args.meta_zones, allocator=args.allocator,
                           gc_reserve=args.gc_reserve,

@@ -206,7 +206,7 @@ def _open_store(target: str, ours: dict):
     """Open device + store; retries briefly while a previous daemon is still exiting."""
     from .. import _journal as J
     from .._alloc import POLICIES
-    from ..device import DeviceError, open_device
+    from ..device import DeviceError, open_device, unreadable
     from ..store import Store, StoreOptions
 
     if not os.path.exists(target):
@@ -226,11 +226,13 @@ def _open_store(target: str, ours: dict):
     try:
         try:
             sb = J.probe_superblock(dev)
+            if sb is None:
+                from .common import no_superblock_message
+                raise DeviceError(no_superblock_message(dev, target))
         except FormatError as e:
             raise DeviceError(f"{target}: {e}") from None
-        if sb is None:
-            from .common import no_superblock_message
-            raise DeviceError(no_superblock_message(dev, target))
+        except OSError as e:
+            raise DeviceError(unreadable(target, e)) from None
         alloc = ours.get("allocator", sb.allocator)
         if alloc not in POLICIES:
             raise DeviceError(f"unknown allocator {alloc!r}; one of {', '.join(POLICIES)}")
@@ -246,6 +248,8 @@ def _open_store(target: str, ours: dict):
             store = Store(dev, opts)
         except (J.JournalError, FormatError) as e:
             raise DeviceError(f"{target}: {e}") from None
+        except OSError as e:
+            raise DeviceError(unreadable(target, e)) from None
     except BaseException:
         dev.close()
         raise
