@@ -56,6 +56,8 @@ class StoreCollector:
                  "GC passes that left their victim: no room for a copy, or a bad checksum"),
                 ("retainzfs_checksum_errors_total", "checksum_errors",
                  "Data reads refused: checksum mismatch"),
+                ("retainzfs_read_errors_total", "read_errors",
+                 "Data reads the device (or the image's host) failed"),
                 ("retainzfs_unstaged_write_bytes_total", "unstaged_write_bytes",
                  "Bytes written to the device straight from the write requests' buffers")):
             c = CounterMetricFamily(name.removesuffix("_total"), doc)

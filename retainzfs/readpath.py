@@ -132,9 +132,12 @@ class ReadPath:
             a = ZoneChecksums.piece_range(*span[0])[0]
             b = ZoneChecksums.piece_range(*span[-1])[1]
             data = self.dev_read(zone, a, b - a, view=True)
-        except (FsError, OSError):
+        except (FsError, OSError) as e:
             if gens is not None and not self.gens_hold({zone: gens[zone]}):
                 raise StaleRead() from None
+            if not isinstance(e, FsError):  # the device (or the image's host) failed it:
+                with s.lock:                # a failing disk (``status``, a metric)
+                    s.stats["read_errors"] += 1
             raise
         for run, lo, hi in span:
             bad = ZoneChecksums.bad_pieces(run, lo, hi, data, a)

@@ -171,6 +171,7 @@ class StoreStats:
                 # None an image made before the feature "unmount_marks" (as read at open)
                 "clean_unmount": s.clean_unmount,
                 "checksum_errors": st["checksum_errors"],
+                "read_errors": st["read_errors"],
                 "stale_extents": st["stale_extents"],
                 "metadata_problems": list(s.meta_problems),
                 "metadata_corrupt": s.meta_corrupt,

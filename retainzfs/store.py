@@ -153,7 +153,7 @@ class Store:
         self.journal.ensure_open = self._ensure_open_slot
         self.stats = {"payload_bytes": 0, "pad_bytes": 0, "gc_copied_bytes": 0, "zone_resets": 0,
                       "zone_finishes": 0, "commits": 0, "enospc": 0, "gc_runs": 0, "gc_aborted": 0,
-                      "checksum_errors": 0, "stale_extents": 0,
+                      "checksum_errors": 0, "stale_extents": 0, "read_errors": 0,
                       # flushed bytes written from the FUSE requests' own aligned buffers
                       # (no staging copy: ``DataPath.stage``)
                       "unstaged_bytes": 0,

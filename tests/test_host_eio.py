@@ -50,9 +50,10 @@ def spoil(outer_img, piece: bytes) -> int:
 def test_a_host_answering_eio_for_one_spot_writes_one_traceback_and_a_count(nested,
                                                                            mount_image,
                                                                            request):
-    """One reader retries a 4 KiB read of the spot for 3 s: every read fails with EIO, the
-    inner daemon's log holds one traceback and, after the unmount, the count of the rest;
-    the rest of the file reads back after a remount."""
+    """One reader retries a 4 KiB read of the spot for 3 s: every read fails with EIO,
+    ``status`` counts them (``read_errors``), the inner daemon's log holds one traceback and,
+    after the unmount, the count of the rest; the rest of the file reads back after a
+    remount."""
     request.node.allow_daemon_errors = True            # (the one traceback is the point)
     outer_img, outer, inner_img = nested
     inner = mount_image(inner_img, name="inner")
@@ -76,6 +77,11 @@ def test_a_host_answering_eio_for_one_spot_writes_one_traceback_and_a_count(nest
         if reads % 20 == 0:
             drop_caches()
     assert failed == reads and reads > 100, (failed, reads)
+    st = inner.status()                         # observable: counted, shown, exported
+    assert st["read_errors"] >= failed and st["checksum_errors"] == 0, st
+    table = subprocess.run([RETAINZFS, "status", str(inner)], capture_output=True,
+                           text=True).stdout
+    assert "read errors" in table, table
     inner.umount()
     log = inner.daemon_log()
     assert log.count("Traceback") == 1 and log.count("ERROR retainzfs: I/O error in read\n") == 1

@@ -100,8 +100,10 @@ def print_status(st: dict, path: str) -> None:
         else (f"{len(st['metadata_problems'])} damaged copies recovered"
               if st.get("metadata_problems") else "both copies good")
     t.add_row("integrity", f"format v{st.get('format_version', '?')}, metadata {meta}, "
-                           f"{st.get('checksum_errors', 0)} checksum errors",
-              style="red" if st.get("checksum_errors") or st.get("metadata_corrupt") else None)
+                           f"{st.get('checksum_errors', 0)} checksum errors, "
+                           f"{st.get('read_errors', 0)} read errors",
+              style="red" if st.get("checksum_errors") or st.get("read_errors")
+              or st.get("metadata_corrupt") else None)
     d = st.get("daemon")
     if d:
         t.add_row("daemon", f"pid {d['pid']}, RSS {_human(d['rss_bytes'])} (peak "
