@@ -207,18 +207,26 @@ class Reclaim:
                     # verified before it is written elsewhere: GC never launders bad bytes
                     data = Chunks([s.reads.verified_read(victim, vz, ln, ino, off)
                                    for off, ln, vz in batch])
+                except OSError as e:
+                    # a checksum error, or the device failed the read (a bad spot of a
+                    # failing disk: before, its EIO ended the user's write that needed GC)
+                    return self._stop_copy(victim, ino, batch[0][0], e)
+                try:
                     s.data.write(ino, batch[0][0], data,
                                  H.Hint(ih.birth, hint, ih.stream, "gc"),
                                  copy_from=(victim, batch))
-                except FsError as e:
-                    # no room for the copy (the reserve is full too) or a checksum error: the
-                    # victim stays as it is, counted and logged, never a user's ENOSPC
-                    with s.lock:
-                        s.stats["gc_aborted"] += 1
-                    log.warning("GC of zone %d stopped at inode %d offset %d: %s", victim, ino,
-                                batch[0][0], errno.errorcode.get(e.errno, e.errno))
-                    return False
+                except FsError as e:    # no room for the copy (the reserve is full too)
+                    return self._stop_copy(victim, ino, batch[0][0], e)
         return True
+
+    def _stop_copy(self, victim: int, ino: int, off: int, e: OSError) -> bool:
+        """The victim stays as it is, counted and logged, never a user's error."""
+        s = self.s
+        with s.lock:
+            s.stats["gc_aborted"] += 1
+        log.warning("GC of zone %d stopped at inode %d offset %d: %s", victim, ino, off,
+                    errno.errorcode.get(e.errno, e.errno))
+        return False
 
 
 COPY_BATCH = 8 << 20    # bytes of one GC copy write: bounded memory on zones of a GiB

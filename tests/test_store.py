@@ -257,6 +257,34 @@ def test_gc_that_cannot_copy_leaves_its_victim_counted(tmp_path, caplog):
     dev.close()
 
 
+def test_gc_whose_victim_the_device_fails_to_read_leaves_it_counted(tmp_path, caplog):
+    """The device answers EIO for a victim's live data (a bad spot of a failing disk): GC
+    leaves that victim (``gc_aborted``, ``read_errors``, a log line) instead of handing the
+    EIO to the user's write that needed the room (found at stop 53: the OSError passed the
+    ``except FsError`` around the copy); the data read back once the device reads again."""
+    path, dev, s, files, _ = _half_dead_zones(tmp_path, 5)
+    real_read, real_view = s.dev.read, s.dev.read_view
+
+    def eio(*a, **kw):
+        raise OSError(errno.EIO, "Input/output error")
+    s.dev.read = s.dev.read_view = eio
+    with s.io_lock:
+        assert s.reclaim.gc_once_iolocked() is False
+    st = s.status()
+    assert st["gc_aborted"] >= 1 and st["read_errors"] >= 1 and st["gc_copied_bytes"] == 0
+    assert "GC of zone" in caplog.text and "EIO" in caplog.text
+    s.dev.read, s.dev.read_view = real_read, real_view
+    for ino, d in files.values():
+        assert read_all(s, ino) == d
+    with s.io_lock:
+        assert s.reclaim.gc_once_iolocked() is True       # (and GC works again)
+    for ino, d in files.values():
+        assert read_all(s, ino) == d
+    assert s.check() == []
+    s.close()
+    dev.close()
+
+
 def _frames(dev, sb):
     """[(seq, pair, offset)] of every metadata frame, oldest first."""
     out = []
