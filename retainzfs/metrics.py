@@ -53,7 +53,8 @@ class StoreCollector:
                 ("retainzfs_gc_copied_bytes_total", "gc_copied_bytes", "Bytes copied by GC"),
                 ("retainzfs_enospc_total", "enospc", "Writes refused for lack of space"),
                 ("retainzfs_gc_aborted_total", "gc_aborted",
-                 "GC passes that left their victim: no room for a copy, or a bad checksum"),
+                 "GC passes that left their victim: no room for a copy, a bad checksum or "
+                 "a failed read"),
                 ("retainzfs_checksum_errors_total", "checksum_errors",
                  "Data reads refused: checksum mismatch"),
                 ("retainzfs_read_errors_total", "read_errors",
