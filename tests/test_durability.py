@@ -870,30 +870,6 @@ def fill_host(m, rng: random.Random, tag: str, limit: int = 400) -> dict:
     pytest.fail("the host never filled")
 
 
-@pytest.fixture
-def loop_host(tmp_path):
-    """``loop_host(mkfs_argv, size)``: a file system of ``size`` made by ``mkfs_argv`` on a loop
-    device (its backing file on the test's disk), mounted; unmounted and detached after."""
-    if os.geteuid() != 0 or not os.path.exists("/dev/loop-control"):
-        missing("a loop device needs root and /dev/loop-control")
-    made = []
-
-    def make(mkfs_argv: list[str], size: str):
-        host = tmp_path / f"host{len(made)}"
-        host.mkdir()
-        vol = tmp_path / f"vol{len(made)}"
-        run("truncate", "-s", size, vol)
-        loop = run("losetup", "-f", "--show", vol).stdout.strip()
-        made.append((host, loop))
-        run(*mkfs_argv, loop)
-        run("mount", loop, host)
-        return host
-    yield make
-    for host, loop in made:
-        subprocess.run(["umount", "-l", str(host)], capture_output=True)
-        subprocess.run(["losetup", "-d", loop], capture_output=True)
-
-
 def test_a_host_file_system_turned_read_only_under_the_image_keeps_every_fsynced_file(
         loop_host, mount_image):
     """The ext4 under the image aborts while it is mounted (``mount -o remount,abort``: what a

@@ -194,3 +194,56 @@ def test_unfsynced_bytes_the_device_cannot_read_at_mount_are_kept_not_cut(nested
     assert (inner / "b").read_bytes() == b and (inner / "a").read_bytes() == a
     inner.umount()
     outer.umount()
+
+
+def test_a_mount_whose_host_fails_every_write_unmounts_cleanly_and_loses_no_fsynced_file(
+        loop_host, mount_image, request):
+    """Three layers: ext4 on a loop device holds the outer image; the inner image is a file in
+    the outer mount.  The ext4 aborts: the outer mount fails every change (EIO), so the inner
+    one's writes fail EIO from its host -- at once, with ``status`` saying why -- and its
+    fsynced files still read back.  Its unmount then ends as an unmount (before stop 53 the
+    close of its image answered EIO, and the daemon ended in "daemon failed" with a traceback
+    before saying it had unmounted); after e2fsck and mounting all three again, every fsynced
+    file is there and writes work."""
+    request.node.allow_daemon_errors = True    # (the first failed write's report)
+    host = loop_host(["mkfs.ext4", "-q"], "700M")
+    loop = subprocess.run(["findmnt", "-no", "SOURCE", str(host)], capture_output=True,
+                          text=True).stdout.strip()
+    outer_img = mkfs(host / "outer.zns", "512M", "4M")
+    outer = mount_image(outer_img, name="outer")
+    inner_img = mkfs(outer.path / "inner.zns", "128M", "4M")
+    inner = mount_image(inner_img, name="inner")
+    want = {}
+    for i in range(4):
+        want[f"f{i}"] = data = os.urandom((i + 1) << 20)
+        with open(inner / f"f{i}", "wb") as f:
+            f.write(data)
+            os.fsync(f.fileno())
+    subprocess.run(["mount", "-o", "remount,abort", str(host)], check=True)
+    for i in range(2):
+        with pytest.raises(OSError) as e:
+            with open(inner / f"new{i}", "wb") as f:
+                f.write(os.urandom(2 << 20))
+                os.fsync(f.fileno())
+        assert e.value.errno == 5
+    assert inner.status()["device_error"], inner.status()
+    drop_caches()
+    for name, data in want.items():
+        assert (inner / name).read_bytes() == data, name
+    inner.umount()
+    log = inner.daemon_log()
+    assert "daemon failed" not in log and log.rstrip().splitlines()[-1].endswith(
+        f"unmounted {inner.path}"), log[-1500:]
+    outer.umount()
+    subprocess.run(["umount", str(host)], check=True)
+    subprocess.run(["e2fsck", "-fy", loop], capture_output=True)
+    subprocess.run(["mount", loop, str(host)], check=True)
+    outer.mount()
+    inner.mount()
+    for name, data in want.items():
+        assert (inner / name).read_bytes() == data, name
+    (inner / "after").write_bytes(b"x" * 5000)
+    inner.remount()
+    assert (inner / "after").read_bytes() == b"x" * 5000
+    inner.umount()
+    outer.umount()
