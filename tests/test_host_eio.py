@@ -36,7 +36,9 @@ def spoil(outer_img, piece: bytes) -> int:
     """Corrupt 16 bytes of the outer image where ``piece`` (4 KiB of the inner image, found
     by its content) lies, behind the outer daemon: reads of it through the outer mount then
     fail with EIO.  Returns where it was."""
-    os.sync()                                   # (the outer daemon's bytes reach its image)
+    # (the inner daemon's fsync, or its close of the image, made the outer mount commit
+    # them; the sync is only belt and braces)
+    os.sync()
     raw = outer_img.read_bytes()
     at = raw.find(piece)
     assert at > 0 and any(piece), at
