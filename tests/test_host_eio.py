@@ -11,16 +11,16 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import time
 
 import pytest
 
 from conftest import MKFS, MOUNT, RETAINZFS, mkfs
 
-
-def drop_caches() -> None:
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "scripts"))
+from benchutil import drop_caches  # noqa: E402  (the benchmarks' own: sync, then drop)
 
 
 @pytest.fixture
