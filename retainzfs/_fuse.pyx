@@ -17,8 +17,9 @@ taking the GIL is a lock acquisition, not a thread-state allocation per request.
 Protocol choices that match what the file system was verified with on pyfuse3 (pjdfstest, fsx):
 READDIRPLUS always (the kernel takes a lookup reference for each entry but ``.`` and ``..``: the
 handler counts it), EXPORT_SUPPORT (``..`` lookups), no writeback cache; POSIX ACLs with
-DONT_MASK when the file system asks (``want_acl``); IOCTL, locks, copy_file_range and lseek
-answer ENOSYS (libfuse's default for a missing handler); a file opened read-only (not O_TRUNC)
+DONT_MASK when the file system asks (``want_acl``); LSEEK for SEEK_DATA/SEEK_HOLE (the kernel
+answers the other whences); IOCTL, locks and copy_file_range answer ENOSYS (libfuse's default
+for a missing handler); a file opened read-only (not O_TRUNC)
 gets FOPEN_NOFLUSH, so its close sends no FLUSH (``rz_fi_set``).  Handlers run holding the GIL and
 send their reply without it (``_rp_*``).
 """
@@ -270,6 +271,8 @@ cdef extern from *:
         void (*fsync)(fuse_req_t req, fuse_ino_t ino, int datasync, fuse_file_info *fi) noexcept nogil
         void (*fallocate)(fuse_req_t req, fuse_ino_t ino, int mode, long offset, long length,
                           fuse_file_info *fi) noexcept nogil
+        void (*lseek)(fuse_req_t req, fuse_ino_t ino, long off, int whence,
+                      fuse_file_info *fi) noexcept nogil
         void (*opendir)(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept nogil
         void (*readdirplus)(fuse_req_t req, fuse_ino_t ino, size_t size, long off,
                             fuse_file_info *fi) noexcept nogil
@@ -293,6 +296,9 @@ cdef extern from *:
 
     const fuse_ctx *fuse_req_ctx(fuse_req_t req) nogil
     int fuse_reply_err(fuse_req_t req, int err) nogil
+    int fuse_reply_lseek(fuse_req_t req, long off) nogil
+    int fuse_lowlevel_notify_inval_inode(fuse_session *se, fuse_ino_t ino, long off,
+                                         long length) nogil
     void fuse_reply_none(fuse_req_t req) nogil
     int fuse_reply_entry(fuse_req_t req, const fuse_entry_param *e) nogil
     int fuse_reply_create(fuse_req_t req, const fuse_entry_param *e,
@@ -743,6 +749,36 @@ cdef void h_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, long offset, lon
     _answer_ok(req, b"fallocate", _ops.fallocate, (fi.fh, mode, offset, length))
 
 
+cdef void h_lseek(fuse_req_t req, fuse_ino_t ino, long off, int whence,
+                  fuse_file_info *fi) noexcept with gil:
+    """SEEK_DATA / SEEK_HOLE.  The kernel asks without writing back pages a shared mapping
+    dirtied, so before an answer calls a range a hole, that range of the page cache is
+    invalidated: the kernel writes its dirty pages back first (``launder_folio``; WRITE
+    requests other threads answer), and the store is asked again.  Without it, bytes stored
+    through ``mmap`` and not yet written back were a hole to ``cp`` while ``read`` saw them."""
+    cdef long pos = 0, lo, hi
+    cdef int tries
+    try:
+        for tries in range(4):
+            pos, lo, hi = _ops.lseek(fi.fh, off, whence)
+            if hi == lo:
+                break                   # no hole claimed: nothing the kernel could hold
+            with nogil:
+                fuse_lowlevel_notify_inval_inode(_se, ino, lo, hi - lo if hi > lo else 0)
+            npos, nlo, nhi = _ops.lseek(fi.fh, off, whence)
+            if (npos, nlo, nhi) == (pos, lo, hi):
+                break
+            pos = npos
+    except BaseException as exc:
+        _rp_err(req, _err(exc, b"lseek"))
+        return
+    if pos < 0:
+        _rp_err(req, -pos)
+        return
+    with nogil:
+        fuse_reply_lseek(req, pos)
+
+
 cdef void h_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept with gil:
     try:
         fh = _ops.opendir(ino)
@@ -976,6 +1012,12 @@ cdef void ll_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, long offset, lo
     h_fallocate(req, ino, mode, offset, length, fi)
 
 
+cdef void ll_lseek(fuse_req_t req, fuse_ino_t ino, long off, int whence,
+                   fuse_file_info *fi) noexcept nogil:
+    rz_attach()
+    h_lseek(req, ino, off, whence, fi)
+
+
 cdef void ll_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info *fi) noexcept nogil:
     rz_attach()
     h_opendir(req, ino, fi)
@@ -1028,10 +1070,11 @@ cdef void ll_access(fuse_req_t req, fuse_ino_t ino, int mask) noexcept nogil:
 # ---------------------------------------------------------------------------- the session
 
 _OPS_NEEDED = ("access", "blksize", "counted", "create", "fallocate", "flush", "forget", "fsync",
-               "fsyncdir", "getattr", "getxattr", "init", "link", "listxattr", "lookup", "mkdir",
-               "mknod", "negative_timeout", "open", "opendir", "read", "readdir", "readlink",
-               "release", "releasedir", "removexattr", "rename", "rmdir", "setattr", "setxattr",
-               "statfs", "symlink", "timeout", "unlink", "want_acl", "write", "write_synced")
+               "fsyncdir", "getattr", "getxattr", "init", "link", "listxattr", "lookup", "lseek",
+               "mkdir", "mknod", "negative_timeout", "open", "opendir", "read", "readdir",
+               "readlink", "release", "releasedir", "removexattr", "rename", "rmdir", "setattr",
+               "setxattr", "statfs", "symlink", "timeout", "unlink", "want_acl", "write",
+               "write_synced")
 
 
 def mount(ops, str mountpoint, options) -> None:
@@ -1069,6 +1112,7 @@ def mount(ops, str mountpoint, options) -> None:
     _llops.release = ll_release
     _llops.fsync = ll_fsync
     _llops.fallocate = ll_fallocate
+    _llops.lseek = ll_lseek
     _llops.opendir = ll_opendir
     _llops.readdirplus = ll_readdirplus
     _llops.releasedir = ll_releasedir

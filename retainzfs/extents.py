@@ -145,6 +145,12 @@ class ExtentMap:
         self.offs.insert(i, off)
         return True
 
+    def runs_from(self, off: int):
+        """(start, end) of each extent that ends past ``off``, in file order (SEEK_DATA/HOLE)."""
+        for e in self.exts[max(bisect_right(self.offs, off) - 1, 0):]:
+            if e.end > off:
+                yield e.off, e.end
+
     def mapped_between(self, start: int, end: int) -> int:
         """Bytes of [start, end) that extents map."""
         n = 0

@@ -258,6 +258,32 @@ class Operations:
         if not self.store.files.flush_clean(ino):     # bytes or attributes to write out
             self.store.commit(ino, durable=fh in self.synced)
 
+    def lseek(self, fh: int, off: int, whence: int) -> tuple[int, int, int]:
+        """SEEK_DATA / SEEK_HOLE (the kernel answers the other whences itself), from the
+        store's extents and buffered bytes (``ReadPath.seek``): (the offset or -ENXIO, and the
+        range [lo, hi) the answer calls a hole; hi -1: to the end of the file; lo == hi: none).
+        The binding has the kernel write back that range's dirty mapped pages before it
+        answers, and asks again."""
+        if whence not in (os.SEEK_DATA, os.SEEK_HOLE):
+            raise FsError(errno.EINVAL)
+        ino = self._ino(fh)
+        try:
+            pos = self.store.seek(ino, off, whence)
+        except FsError as e:
+            if e.errno != errno.ENXIO or whence != os.SEEK_DATA or off < 0:
+                raise
+            size = self.store.stat(ino).size
+            return -errno.ENXIO, off, (-1 if off < size else off)   # [off, EOF) a hole
+        if whence == os.SEEK_DATA:
+            return pos, off, pos
+        try:
+            return pos, pos, self.store.seek(ino, pos, os.SEEK_DATA)
+        except FsError as e:
+            if e.errno != errno.ENXIO:
+                raise
+        size = self.store.stat(ino).size
+        return pos, pos, (-1 if pos < size else pos)     # a hole to the end, or the end
+
     def fallocate(self, fh: int, mode: int, off: int, length: int) -> None:
         """Modes 0 and KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE, ZERO_RANGE (``falloc.Falloc``);
         collapsing or inserting ranges, unsharing: EOPNOTSUPP (ENOSYS would make the kernel

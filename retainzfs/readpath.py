@@ -21,6 +21,9 @@ from .readahead import ReadAhead
 
 Buffer = bytes | bytearray | memoryview
 
+SEEK_DATA, SEEK_HOLE = 3, 4      # (os.SEEK_DATA / os.SEEK_HOLE on Linux)
+BLOCK = 4096                     # the unit holes are reported in (ext4's block)
+
 log = logging.getLogger("retainzfs")
 
 
@@ -103,6 +106,35 @@ class ReadPath:
             size = min(size, inode.size - off)
             return self.ra.hit_locked(ino, off, size, inode.extents.lookup(off, size))
 
+    def seek(self, ino: int, off: int, whence: int) -> int:
+        """lseek(2)'s SEEK_DATA / SEEK_HOLE: the next offset at or after ``off`` in data / in a
+        hole, counting the extents and the buffered bytes (what ``read`` serves) in whole
+        blocks, as ext4 does: a block holding any written byte is data, a hole is whole blocks
+        that read as zeros, and the end of the file is a hole.  ENXIO at or past the end, and
+        for SEEK_DATA with no data after ``off``.  Without it the kernel answered as if every
+        file were dense: ``cp``, ``tar`` and ``scrub`` read every hole of a sparse file."""
+        s = self.s
+        with s.lock:
+            inode = s.ns.get_locked(ino)
+            size = inode.size
+            if off < 0 or off >= size:
+                raise FsError(errno.ENXIO)
+            runs = inode.extents.runs_from(off - off % BLOCK)    # (off's block may be data)
+            if inode.has_buffered() and len(inode.wbuf):
+                bo = inode.wbuf.off
+                runs = _merged(runs, (bo, bo + len(inode.wbuf)))
+            if whence == SEEK_DATA:
+                for lo, hi in _blocks(runs, size):
+                    if hi > off:
+                        return max(lo, off)
+                raise FsError(errno.ENXIO)
+            pos = off
+            for lo, hi in _blocks(runs, size):
+                if lo > pos:
+                    break
+                pos = max(pos, hi)
+            return min(pos, size)
+
     def read_all_locked(self, inode) -> bytes:
         """All of a (small) file: committed extents and buffered bytes (lock held)."""
         assert self.s.lock._is_owned(), "read_all_locked without Store.lock"
@@ -177,3 +209,30 @@ class ReadPath:
                 raise FsError(errno.EIO, f"zone {zone}: {bad['reason']}")
         dev = self.s.dev
         return dev.read_view(zone, zoff, length) if view else dev.read(zone, zoff, length)
+
+
+def _merged(runs, extra: tuple[int, int]):
+    """``runs`` (sorted (start, end)) with one more run put in its place."""
+    pending = True
+    for r in runs:
+        if pending and extra[0] <= r[0]:
+            yield extra
+            pending = False
+        yield r
+    if pending:
+        yield extra
+
+
+def _blocks(runs, size: int):
+    """Sorted runs widened to whole blocks (clipped to ``size``), touching ones joined."""
+    cur = None
+    for lo, hi in runs:
+        lo, hi = lo - lo % BLOCK, min(-(-hi // BLOCK) * BLOCK, size)
+        if cur is not None and lo <= cur[1]:
+            cur = (cur[0], max(cur[1], hi))
+            continue
+        if cur is not None:
+            yield cur
+        cur = (lo, hi)
+    if cur is not None:
+        yield cur

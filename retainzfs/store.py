@@ -300,6 +300,7 @@ class Store:
     # data path, datapath.DataPath; reads, readpath.ReadPath
     read = _Via("reads")
     read_cached = _Via("reads")
+    seek = _Via("reads")
     declare_save = _Via("data")
     # reclaim, reclaim.Reclaim
     reset_empty_zones = _Via("reclaim")

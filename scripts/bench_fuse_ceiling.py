@@ -369,7 +369,7 @@ def serve_binding(mnt: str) -> int:
         def _nosys(self, *args):              # what the figures never ask: libfuse's default
             raise FsError(errno.ENOSYS)
 
-        fallocate = fsyncdir = link = mknod = readlink = rename = symlink = _nosys
+        fallocate = fsyncdir = link = lseek = mknod = readlink = rename = symlink = _nosys
         setxattr = removexattr = _nosys
 
     _fuse.mount(NullOps(), mnt, sorted(fuse_options("nullfs")))
