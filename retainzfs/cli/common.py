@@ -221,6 +221,37 @@ def no_superblock_message(dev, target: str, meta_zones: int = MIN_META_ZONES) ->
     return f"{target}: not a retainzfs filesystem (blank device; run mkfs.retainzfs first)"
 
 
+def store_on(dev, target: str, options: Callable, repair: bool = False):
+    """The store on an opened device (mount, fsck, status, scrub, zonemap), every way it can
+    fail one ``DeviceError`` line, the device closed: no superblock, a format this version
+    does not know, a journal it cannot replay, a read the device (or the image's host) fails.
+    ``options(superblock)`` gives the ``StoreOptions`` (it may raise ``DeviceError`` too)."""
+    from .. import _journal as J
+    from ..device import DeviceError, unreadable
+    from ..store import Store
+    from ..superblock import FormatError
+    try:
+        try:
+            sb = J.probe_superblock(dev)
+            why = no_superblock_message(dev, target) if sb is None else ""   # (reads it)
+        except FormatError as e:
+            raise DeviceError(f"{target}: {e}") from None
+        except OSError as e:
+            raise DeviceError(unreadable(target, e)) from None
+        if sb is None:
+            raise DeviceError(why)
+        opts = options(sb)
+        try:
+            return Store(dev, opts)
+        except (J.JournalError, FormatError) as e:
+            raise DeviceError(f"{target}: {'cannot repair: ' if repair else ''}{e}") from None
+        except OSError as e:
+            raise DeviceError(unreadable(target, e)) from None
+    except BaseException:
+        dev.close()
+        raise
+
+
 def mount_root(path: str) -> str | None:
     """The retainzfs mountpoint at or above ``path``, or None."""
     p = os.path.realpath(path)

@@ -9,40 +9,20 @@ import sys
 
 from .. import hints as H
 from .common import (DAEMON_TIMEOUT, ask_daemon, die, find_mount_of, is_retainzfs_mount,
-                     mount_source, no_superblock_message, status_from_mount)
+                     mount_source, status_from_mount, store_on)
 
 
 def _open_offline(target: str, readonly: bool = True):
     """Open an unmounted target (read-only: no repairs written); one-line errors."""
-    from .. import _journal as J
-    from ..device import DeviceError, open_device, unreadable
-    from ..store import Store, StoreOptions
-    from ..superblock import FormatError
+    from ..device import DeviceError, open_device
+    from ..store import StoreOptions
     try:
         dev = open_device(target, readonly=readonly)
+        store = store_on(dev, target, lambda sb: StoreOptions(
+            allocator=sb.allocator, gc_reserve=sb.gc_reserve, readonly=readonly),
+            repair=not readonly)
     except DeviceError as e:
         die(str(e))
-    try:
-        sb = J.probe_superblock(dev)
-        msg = no_superblock_message(dev, target) if sb is None else ""
-    except FormatError as e:
-        dev.close()
-        die(f"{target}: {e}")
-    except OSError as e:
-        dev.close()
-        die(unreadable(target, e))
-    if sb is None:
-        dev.close()
-        die(msg)
-    try:
-        store = Store(dev, StoreOptions(allocator=sb.allocator, gc_reserve=sb.gc_reserve,
-                                        readonly=readonly))
-    except OSError as e:
-        dev.close()
-        die(unreadable(target, e))
-    except (J.JournalError, FormatError) as e:
-        dev.close()
-        die(f"{target}: {'' if readonly else 'cannot repair: '}{e}")
     return dev, store
 
 

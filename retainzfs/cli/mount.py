@@ -15,7 +15,7 @@ import sys
 import time
 
 from . import daemonlog, supervise
-from .common import die, find_mount_of, is_retainzfs_mount, status_from_mount
+from .common import die, find_mount_of, is_retainzfs_mount, status_from_mount, store_on
 
 #: mount(8)/fstab options that mean nothing to us and are dropped silently
 IGNORED = {"defaults", "auto", "noauto", "user", "nouser", "users", "nofail", "_netdev",
@@ -204,10 +204,9 @@ def _check_mountpoint(mnt: str) -> None:
 
 def _open_store(target: str, ours: dict):
     """Open device + store; retries briefly while a previous daemon is still exiting."""
-    from .. import _journal as J
     from .._alloc import POLICIES
-    from ..device import DeviceError, open_device, unreadable
-    from ..store import Store, StoreOptions
+    from ..device import DeviceError, open_device
+    from ..store import StoreOptions
 
     if not os.path.exists(target):
         raise DeviceError(f"{target}: no such device or image")
@@ -222,17 +221,8 @@ def _open_store(target: str, ours: dict):
                 time.sleep(0.2)
                 continue
             raise
-    from ..superblock import FormatError
-    try:
-        try:
-            sb = J.probe_superblock(dev)
-            if sb is None:
-                from .common import no_superblock_message
-                raise DeviceError(no_superblock_message(dev, target))
-        except FormatError as e:
-            raise DeviceError(f"{target}: {e}") from None
-        except OSError as e:
-            raise DeviceError(unreadable(target, e)) from None
+
+    def options(sb) -> StoreOptions:
         alloc = ours.get("allocator", sb.allocator)
         if alloc not in POLICIES:
             raise DeviceError(f"unknown allocator {alloc!r}; one of {', '.join(POLICIES)}")
@@ -244,15 +234,8 @@ def _open_store(target: str, ours: dict):
         for key in ("flush_bytes", "dirty_bytes", "dirty_expire"):
             if key in ours:
                 setattr(opts, key, ours[key])
-        try:
-            store = Store(dev, opts)
-        except (J.JournalError, FormatError) as e:
-            raise DeviceError(f"{target}: {e}") from None
-        except OSError as e:
-            raise DeviceError(unreadable(target, e)) from None
-    except BaseException:
-        dev.close()
-        raise
+        return opts
+    store = store_on(dev, target, options)
     return dev, store
 
 
