@@ -78,7 +78,8 @@ class _Base(RuleBasedStateMachine):
     def write(self, name, off, n, fsync, many, skip):
         """One write, or ``many`` small writes one after another (a log written a line at a
         time), each ``skip`` bytes past the last (fstest -F: every other block; the buffer
-        joins a gap of up to 64 KiB over a hole with zeros, ``OpenFiles.gap_locked``)."""
+        joins a short gap over a hole with zeros, never a whole 4 KiB block,
+        ``OpenFiles.gap_locked``)."""
         self.seed += 1
         if name in self.whiteouts:          # (as overlayfs: the whiteout goes, a file comes)
             self.b_unlink(name)
