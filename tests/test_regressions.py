@@ -1104,9 +1104,10 @@ def test_writes_that_skip_ahead_stay_one_stream(mounted):
     """Every other 512-byte block of a new file (xfstests' fstest -F, generic/074): each
     write skipped ahead of the buffer, which then went out with its last block padded:
     8x the bytes written in padding (330 MB for 47 MB; an extent a write; 24.7 s for what now
-    takes 8.8 s).  A write at most 64 KiB past the buffer over a hole now joins it with the
-    zeros between.  A gap over data the file has keeps that data, and one too far ends the
-    buffer as before; the bytes read back as written, and again after a remount."""
+    takes 8.8 s).  A write a little past the buffer over a hole now joins it with the zeros
+    between (never over a whole 4 KiB block: that stays a hole SEEK_HOLE finds).  A gap over
+    data the file has keeps that data, and one too far ends the buffer as before; the bytes
+    read back as written, and again after a remount."""
     m = mounted
     before = m.status()
     want = bytearray(6 << 20)
@@ -1125,7 +1126,7 @@ def test_writes_that_skip_ahead_stay_one_stream(mounted):
     os.pwrite(fd, b"b" * 512, 0)
     os.pwrite(fd, b"c" * 512, 1024)             # over "A"s: not bridged with zeros
     os.pwrite(fd, b"d" * 100, 19990)
-    os.pwrite(fd, b"e" * 10, 19990 + 100 + (64 << 10))   # past the end by 64 KiB + 0: a hole
+    os.pwrite(fd, b"e" * 10, 19990 + 100 + (64 << 10))   # 64 KiB past the end: a hole
     os.pwrite(fd, b"f" * 10, 200_000)           # too far: a hole, the buffer ended first
     os.close(fd)
     old = (b"b" * 512 + b"A" * 512 + b"c" * 512 + b"A" * (19990 - 1536) + b"d" * 100
