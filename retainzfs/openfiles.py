@@ -21,13 +21,13 @@ from time import time_ns as now_ns
 from . import hints as H
 from . import records as R
 from .errors import FsError
+from .readpath import HOLE_BLOCK
 from .room import Room
 
 #: a write this far past the end of a file's buffered bytes, over a hole, joins the buffer with
-#: zeros between (``OpenFiles.gap_locked``) rather than ending it
+#: zeros between (``OpenFiles.gap_locked``) rather than ending it, unless the gap holds a whole
+#: ``HOLE_BLOCK`` (the unit SEEK_HOLE reports): that block stays a hole
 GAP_MAX = 64 << 10
-#: ... unless the gap holds a whole block of this size: that block stays a hole
-HOLE_BLOCK = 4096
 
 
 class OpenFiles:

@@ -22,7 +22,8 @@ from .readahead import ReadAhead
 Buffer = bytes | bytearray | memoryview
 
 SEEK_DATA, SEEK_HOLE = 3, 4      # (os.SEEK_DATA / os.SEEK_HOLE on Linux)
-BLOCK = 4096                     # the unit holes are reported in (ext4's block)
+#: the unit holes are reported in (ext4's block); ``OpenFiles.gap_locked`` never fills one
+HOLE_BLOCK = 4096
 
 log = logging.getLogger("retainzfs")
 
@@ -119,7 +120,7 @@ class ReadPath:
             size = inode.size
             if off < 0 or off >= size:
                 raise FsError(errno.ENXIO)
-            runs = inode.extents.runs_from(off - off % BLOCK)    # (off's block may be data)
+            runs = inode.extents.runs_from(off - off % HOLE_BLOCK)    # (off's block may be data)
             if inode.has_buffered() and len(inode.wbuf):
                 bo = inode.wbuf.off
                 runs = _merged(runs, (bo, bo + len(inode.wbuf)))
@@ -227,7 +228,7 @@ def _blocks(runs, size: int):
     """Sorted runs widened to whole blocks (clipped to ``size``), touching ones joined."""
     cur = None
     for lo, hi in runs:
-        lo, hi = lo - lo % BLOCK, min(-(-hi // BLOCK) * BLOCK, size)
+        lo, hi = lo - lo % HOLE_BLOCK, min(-(-hi // HOLE_BLOCK) * HOLE_BLOCK, size)
         if cur is not None and lo <= cur[1]:
             cur = (cur[0], max(cur[1], hi))
             continue
